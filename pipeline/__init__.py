@@ -1,0 +1,1 @@
+"""Vision Transformer training pipeline."""

@@ -1,0 +1,22 @@
+"""Entry-point wrapper for the stages: load params, run, turn known errors into exit code 2."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from pipeline.config import ConfigError, Params, load_params
+
+
+def run_stage(fn: Callable[..., object], *args: str) -> None:
+    """Load ``params.yaml`` (or ``$VIT_PARAMS``), call ``fn(params, *args)``, exit non-zero on error."""
+    path = os.environ.get("VIT_PARAMS", "params.yaml")
+    try:
+        params: Params = load_params(path)
+        fn(params, *args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)

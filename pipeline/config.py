@@ -1,0 +1,330 @@
+"""Typed view of ``params.yaml``.
+
+Every stage loads its params through :func:`load_params`, which checks the whole file before any
+work starts: an unknown key, a wrong type or an inconsistent size stops the stage with a
+:class:`ConfigError` naming the key, the value and what would be valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+SOURCES = ("digits", "fractals", "imagefolder", "parquet", "cifar")
+INTERP_MODES = ("nearest", "bilinear", "bicubic", "area")
+EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
+
+
+class ConfigError(ValueError):
+    """A params.yaml problem; the message names the key, the value and what is valid."""
+
+
+@dataclass
+class DataConfig:
+    """One dataset to shard (see ``pipeline.data.shard_dataset`` for the meaning of each key)."""
+
+    source: str = "digits"
+    root: Optional[str] = None
+    seed: int = 0
+    val_fraction: float = 0.1
+    test_fraction: float = 0.2
+    maxcount: int = 1000
+    maxsize: int = 64_000_000
+    max_side: Optional[int] = None
+    max_bad_fraction: float = 0.0
+    class_names: Optional[list[str]] = None
+    num_classes: int = 10
+    samples_per_class: int = 500
+    image_size: int = 32
+
+
+@dataclass
+class DataSection:
+    pretrain: DataConfig = field(default_factory=DataConfig)
+    finetune: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass
+class ModelConfig:
+    """Architecture: a size preset, optionally overridden field by field (null = preset value)."""
+
+    preset: str = "nano"
+    patch_size: int = 4
+    pool: str = "cls"
+    drop_path_rate: float = 0.0
+    embed_dim: Optional[int] = None
+    depth: Optional[int] = None
+    num_heads: Optional[int] = None
+    mlp_ratio: Optional[float] = None
+
+    def overrides(self) -> dict[str, Any]:
+        keys = ("embed_dim", "depth", "num_heads", "mlp_ratio")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+@dataclass
+class Interpolation:
+    """How position embeddings (and patch kernels) are resampled to a new grid."""
+
+    mode: str = "bicubic"
+    antialias: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """Recipe of one training stage; the global batch is split evenly over Ray workers."""
+
+    image_size: int = 16
+    epochs: int = 10
+    global_batch_size: int = 128
+    lr: float = 1e-3
+    min_lr: float = 1e-5
+    weight_decay: float = 0.05
+    warmup_epochs: float = 1.0
+    label_smoothing: float = 0.0
+    grad_clip: Optional[float] = 1.0
+    seed: int = 0
+    eval_every: int = 1
+    augment: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    """Fine-tuning adds the move to a new resolution / patch size and the starting weights."""
+
+    image_size: int = 32
+    patch_size: Optional[int] = None
+    interpolation: Interpolation = field(default_factory=Interpolation)
+    init: Optional[str] = None
+    init_source: str = "pipeline"
+
+
+@dataclass
+class EvaluateConfig:
+    batch_size: int = 256
+    resolutions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ExportConfig:
+    formats: list[str] = field(default_factory=lambda: list(EXPORT_FORMATS))
+    opset: int = 17
+    num_images: int = 64
+    max_abs_diff: float = 1e-4
+    min_top1_agreement: float = 1.0
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: int = 1
+    gpus_per_worker: float = 0.0
+    max_failures: int = 0
+    checkpoints_to_keep: int = 2
+    storage_path: Optional[str] = None
+    verbose: bool = False
+
+
+@dataclass
+class MlflowConfig:
+    experiment: str = "vit-pipeline"
+
+
+@dataclass
+class Params:
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pretrain: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+    @property
+    def finetune_patch_size(self) -> int:
+        return self.finetune.patch_size or self.model.patch_size
+
+    @property
+    def tracking_uri(self) -> str:
+        return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+# --------------------------------------------------------------------------- generic parsing
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, key)
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(tp)
+            return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, raw: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"{path}: unknown key (valid keys in {prefix or 'the top level'}: {', '.join(names)})")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def _choice(key: str, value: Any, valid: tuple) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key}: {value!r} is not valid (choose one of: {', '.join(map(str, valid))})")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}: {value!r} must be > 0")
+
+
+def _divisible(size_key: str, size: int, patch_key: str, patch: int) -> None:
+    if size % patch:
+        lo, hi = size // patch * patch, (size // patch + 1) * patch
+        valid = f"{lo} or {hi}" if lo else str(hi)
+        raise ConfigError(
+            f"{size_key}: {size} is not divisible by {patch_key}={patch} (nearest valid sizes: {valid})")
+
+
+def validate(p: Params) -> Params:
+    """Cross-field checks that a type check alone cannot catch."""
+    from pipeline.model import PRESETS  # local import: config stays importable without torch
+
+    for name in ("pretrain", "finetune"):
+        d: DataConfig = getattr(p.data, name)
+        _choice(f"data.{name}.source", d.source, SOURCES)
+        if d.source in ("imagefolder", "parquet", "cifar") and not d.root:
+            raise ConfigError(f"data.{name}.root: required for source {d.source!r} (a path to the dataset)")
+        for k in ("val_fraction", "test_fraction", "max_bad_fraction"):
+            v = getattr(d, k)
+            if not 0.0 <= v < 1.0:
+                raise ConfigError(f"data.{name}.{k}: {v!r} must be in [0, 1)")
+        for k in ("maxcount", "maxsize", "num_classes", "samples_per_class", "image_size"):
+            _positive(f"data.{name}.{k}", getattr(d, k))
+    _choice("model.preset", p.model.preset, tuple(PRESETS))
+    _choice("model.pool", p.model.pool, ("cls", "mean"))
+    _positive("model.patch_size", p.model.patch_size)
+    arch = {**PRESETS[p.model.preset], **p.model.overrides()}
+    width, heads = arch["embed_dim"], arch["num_heads"]
+    for k in ("embed_dim", "depth", "num_heads"):
+        _positive(f"model.{k}", arch[k])
+    if width % heads:
+        valid = [h for h in range(1, width + 1) if width % h == 0]
+        raise ConfigError(f"model.num_heads: {heads} does not divide model.embed_dim={width} "
+                          f"(valid head counts: {', '.join(map(str, valid))})")
+    _divisible("pretrain.image_size", p.pretrain.image_size, "model.patch_size", p.model.patch_size)
+    ft_patch_key = "finetune.patch_size" if p.finetune.patch_size else "model.patch_size"
+    _positive(ft_patch_key, p.finetune_patch_size)
+    _divisible("finetune.image_size", p.finetune.image_size, ft_patch_key, p.finetune_patch_size)
+    for i, r in enumerate(p.evaluate.resolutions):
+        _divisible(f"evaluate.resolutions[{i}]", r, ft_patch_key, p.finetune_patch_size)
+    _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, INTERP_MODES)
+    _choice("finetune.init_source", p.finetune.init_source, ("pipeline", "timm", "torchvision"))
+    for stage in ("pretrain", "finetune"):
+        t: TrainConfig = getattr(p, stage)
+        for k in ("epochs", "global_batch_size", "lr", "eval_every"):
+            _positive(f"{stage}.{k}", getattr(t, k))
+        if not 0.0 <= t.label_smoothing < 1.0:
+            raise ConfigError(f"{stage}.label_smoothing: {t.label_smoothing!r} must be in [0, 1)")
+        if t.global_batch_size % p.ray.num_workers:
+            raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
+                              f"ray.num_workers={p.ray.num_workers} (each worker gets an equal share)")
+    for i, f in enumerate(p.export.formats):
+        _choice(f"export.formats[{i}]", f, EXPORT_FORMATS)
+    if p.export.opset < 17:
+        raise ConfigError(f"export.opset: {p.export.opset} is too old (valid: 17 or newer)")
+    _positive("ray.num_workers", p.ray.num_workers)
+    _positive("ray.cpus_per_worker", p.ray.cpus_per_worker)
+    _positive("evaluate.batch_size", p.evaluate.batch_size)
+    return p
+
+
+def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None = None) -> Params:
+    """Read, type-check and validate ``params.yaml``; raise :class:`ConfigError` on any problem."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found (run from the repository root)") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    try:
+        return validate(_build(Params, raw, ""))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"pretrain.lr": 0.001, ...}`` for MLflow params and run hashes."""
+    if dataclasses.is_dataclass(obj):
+        obj = dataclasses.asdict(obj)
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    else:
+        out[prefix] = obj
+    return out

@@ -1,0 +1,76 @@
+"""``cifar`` source: the python-pickle releases ``cifar-10-batches-py`` / ``cifar-100-python``.
+
+Batches are unpickled one file at a time (labels pass, then pixels pass) and written in file
+order (the release is already shuffled), as lossless PNG. Only point ``root`` at a trusted copy:
+the format is pickle.
+"""
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+
+from .sources import check_labels, resolve_classes
+from .splits import SPLITS, Plan, Record, carve_splits, split_of_index
+
+LAYOUTS = {
+    "cifar-10-batches-py": dict(train=[f"data_batch_{i}" for i in range(1, 6)], test=["test_batch"],
+                                meta="batches.meta", names=b"label_names", labels=b"labels"),
+    "cifar-100-python": dict(train=["train"], test=["test"], meta="meta",
+                             names=b"fine_label_names", labels=b"fine_labels"),
+}
+EXPECTED = "cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta} or cifar-100-python/{train,test,meta}"
+
+
+def _unpickle(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return pickle.load(f, encoding="bytes")
+
+
+def find_layout(root: Path) -> tuple[Path, dict]:
+    """``root`` may be the batches dir itself or its parent."""
+    if not root.exists():
+        raise FileNotFoundError(f"cifar root {root} does not exist; expected {EXPECTED}")
+    if not root.is_dir():
+        raise ValueError(f"cifar root {root} is a file; extract it first. Expected {EXPECTED}")
+    for d in (root, *(root / name for name in LAYOUTS)):
+        for layout in LAYOUTS.values():
+            if all((d / f).is_file() for f in layout["train"] + layout["test"] + [layout["meta"]]):
+                return d, layout
+    raise FileNotFoundError(f"{root} holds no CIFAR python batches; expected {EXPECTED}")
+
+
+def cifar_plan(*, root, seed, val_fraction, test_fraction, class_names, **_) -> Plan:
+    """Given train/test splits; val is carved from train."""
+    if root is None:
+        raise ValueError(f"source 'cifar' needs root: a directory with {EXPECTED}")
+    d, layout = find_layout(Path(root))
+    names = [n.decode() for n in _unpickle(d / layout["meta"])[layout["names"]]]
+    classes = resolve_classes(class_names, names, f"cifar {d}")
+    files = [(s, d / f) for s in ("train", "test") for f in layout[s]]
+    labels, given, offset = [], {"train": [], "test": []}, 0
+    for split, f in files:
+        y = np.asarray(_unpickle(f)[layout["labels"]], dtype=np.int64)
+        labels.append(y)
+        given[split].append(np.arange(offset, offset + y.size))
+        offset += y.size
+    labels = np.concatenate(labels)
+    check_labels(labels, classes, f"cifar {d}")
+    splits = carve_splits(labels, seed, val_fraction, test_fraction,
+                          given={s: np.concatenate(v) for s, v in given.items()})
+    split_of = split_of_index(splits, labels.size)
+
+    def records():
+        i = 0
+        for _, f in files:
+            batch = _unpickle(f)
+            data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+            fnames = batch.get(b"filenames") or [b""] * len(data)
+            for j in range(len(data)):
+                img = np.ascontiguousarray(data[j])
+                yield Record(SPLITS[split_of[i]], int(labels[i]), f"{f.name}#{j}:{fnames[j].decode()}",
+                             lambda img=img: img)
+                i += 1
+
+    return Plan(classes, int(labels.size), records(), ["test", "train"])

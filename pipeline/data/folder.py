@@ -1,0 +1,87 @@
+"""``imagefolder`` source: ``root/<class>/<image>`` or ``root/{train,val,test}/<class>/<image>``.
+
+Original JPEG/PNG bytes are kept (no re-encode, so no generation loss); the writer only checks
+that each file decodes.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .sources import check_labels, records_from_splits
+from .splits import Plan, carve_splits
+
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
+SPLIT_DIRS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
+LAYOUT = "root/<class>/<image> or root/{train,val,test}/<class>/<image>"
+
+
+def _images_under(d: Path) -> list[str]:
+    """Image files below ``d`` (recursive, like torchvision's ImageFolder), sorted, hidden skipped."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(d):
+        dirnames[:] = sorted(n for n in dirnames if not n.startswith("."))
+        found += [os.path.join(dirpath, f) for f in filenames
+                  if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTS]
+    return sorted(found)
+
+
+def _subdirs(d: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(d) if e.is_dir() and not e.name.startswith("."))
+
+
+def list_imagefolder(root: Path) -> dict[str, dict[str, list[str]]]:
+    """{split or "": {class: [files]}}; split dirs are used only if every top-level dir is one."""
+    if not root.exists():
+        raise FileNotFoundError(f"imagefolder root {root} does not exist; expected {LAYOUT}")
+    if not root.is_dir():
+        raise ValueError(f"imagefolder root {root} is a file, not a directory; expected {LAYOUT}")
+    top = _subdirs(root)
+    if not top:
+        raise ValueError(f"imagefolder root {root} has no class directories; expected {LAYOUT}")
+    as_splits = [SPLIT_DIRS.get(d.lower()) for d in top]
+    if "train" in as_splits and all(as_splits):
+        if len(set(as_splits)) != len(as_splits):
+            raise ValueError(f"{root} has two directories for the same split: {top}")
+        return {s: {c: _images_under(root / d / c) for c in _subdirs(root / d)} for s, d in zip(as_splits, top)}
+    return {"": {c: _images_under(root / c) for c in top}}
+
+
+def imagefolder_plan(*, root, seed, val_fraction, test_fraction, class_names, **_) -> Plan:
+    """List files and labels, carve missing splits, and stream the files' bytes lazily."""
+    if root is None:
+        raise ValueError(f"source 'imagefolder' needs root: a directory laid out as {LAYOUT}")
+    root = Path(root)
+    layout = list_imagefolder(root)
+    found = sorted({c for per_class in layout.values() for c in per_class})
+    for split, per_class in layout.items():
+        for c, files in per_class.items():
+            if not files:
+                where = root / split / c if split else root / c
+                raise ValueError(f"class directory {where} is empty; expected image files with "
+                                 f"extensions {sorted(IMAGE_EXTS)}")
+    if class_names is not None:
+        classes = [str(c) for c in class_names]
+        unknown = sorted(set(found) - set(classes))
+        if unknown:
+            raise ValueError(f"class directories {unknown} under {root} are not in class_names {classes}")
+    else:
+        classes = found
+    index = {c: i for i, c in enumerate(classes)}
+    paths, labels, given = [], [], {}
+    for split, per_class in layout.items():
+        start = len(paths)
+        for c in sorted(per_class):
+            paths += per_class[c]
+            labels += [index[c]] * len(per_class[c])
+        if split:
+            given[split] = np.arange(start, len(paths))
+    labels = np.asarray(labels, dtype=np.int64)
+    check_labels(labels, classes, f"imagefolder {root}")
+    splits = carve_splits(labels, seed, val_fraction, test_fraction, given=given or None)
+    records = records_from_splits(
+        splits, labels, lambda i: Path(paths[i]).relative_to(root).as_posix(),
+        lambda i: (lambda: Path(paths[i]).read_bytes()))
+    return Plan(classes, int(labels.size), records, sorted(given))

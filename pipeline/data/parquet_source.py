@@ -1,0 +1,134 @@
+"""``parquet`` source: Hugging Face-style files with an ``image`` and an integer ``label`` column.
+
+Read with ``iter_batches`` twice (labels first, to carve splits; then images), so memory stays
+bounded by one batch however large the files are. Rows are written in file order.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .folder import SPLIT_DIRS
+from .sources import check_labels
+from .splits import SPLITS, Plan, Record, carve_splits, split_of_index
+
+BATCH_ROWS = 256
+
+
+def _files(root: Path) -> list[Path]:
+    if not root.exists():
+        raise FileNotFoundError(f"parquet root {root} does not exist; expected a .parquet file or a "
+                                "directory of them")
+    files = [root] if root.is_file() else sorted(root.rglob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no *.parquet files under {root}")
+    return files
+
+
+def _split_of_file(path: Path, root: Path) -> Optional[str]:
+    """HF layouts: ``train-00000-of-00001.parquet`` or ``train/…parquet`` or ``data/test-….parquet``."""
+    parts = path.relative_to(root).parts if path != root else (path.name,)
+    for part in parts:
+        head = part.split("-")[0].split("_")[0].split(".")[0].lower()
+        if head in SPLIT_DIRS:
+            return SPLIT_DIRS[head]
+    return None
+
+
+def hf_class_names(schema: pa.Schema) -> Optional[list[str]]:
+    """Class names from the ``huggingface`` schema metadata (features.label.names), if present."""
+    meta = (schema.metadata or {}).get(b"huggingface")
+    if not meta:
+        return None
+    doc = json.loads(meta)
+    features = doc.get("info", doc).get("features", {})
+    names = features.get("label", {}).get("names")
+    return [str(n) for n in names] if names else None
+
+
+def _check_schema(schema: pa.Schema, path: Path) -> None:
+    for col in ("image", "label"):
+        if col not in schema.names:
+            raise ValueError(f"{path} has no {col!r} column; columns are {schema.names}")
+    t = schema.field("image").type
+    ok = pa.types.is_binary(t) or pa.types.is_large_binary(t) or (
+        pa.types.is_struct(t) and t.get_field_index("bytes") >= 0)
+    if not ok:
+        raise ValueError(f"{path}: 'image' column has type {t}; expected binary or struct<bytes, path>")
+    if not pa.types.is_integer(schema.field("label").type):
+        raise ValueError(f"{path}: 'label' column has type {schema.field('label').type}; expected an integer")
+
+
+def _loader(value, path: Path, row: int):
+    """Bytes stored inline, or a file path (relative to the parquet file) when bytes are null."""
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            data = value["bytes"]
+            return (lambda: data), value.get("path") or f"{path.name}#{row}"
+        if value.get("path"):
+            p = Path(value["path"])
+            p = p if p.is_absolute() else path.parent / p
+            if not p.is_file():
+                raise FileNotFoundError(f"{path} row {row}: image path {value['path']} not found (looked at {p})")
+            return (lambda: p.read_bytes()), str(value["path"])
+        raise ValueError(f"{path} row {row}: image has neither bytes nor path")
+    if value is None:
+        raise ValueError(f"{path} row {row}: image is null")
+    return (lambda: value), f"{path.name}#{row}"
+
+
+def parquet_plan(*, root, seed, val_fraction, test_fraction, class_names, **_) -> Plan:
+    """Labels first (cheap), then a lazy stream of rows routed to their split."""
+    if root is None:
+        raise ValueError("source 'parquet' needs root: a .parquet file or a directory of them")
+    root = Path(root)
+    files = _files(root)
+    labels, given, names = [], {}, None
+    file_splits = [_split_of_file(f, root) for f in files]
+    use_given = "train" in file_splits and all(file_splits)
+    offset = 0
+    for f, split in zip(files, file_splits):
+        try:
+            pf = pq.ParquetFile(f)
+        except (pa.ArrowInvalid, OSError) as exn:
+            raise ValueError(f"{f} is not a readable parquet file: {exn}") from exn
+        _check_schema(pf.schema_arrow, f)
+        names = names or hf_class_names(pf.schema_arrow)
+        for batch in pf.iter_batches(batch_size=65536, columns=["label"]):
+            col = batch.column(0)
+            if col.null_count:
+                raise ValueError(f"{f}: 'label' column has null values")
+            labels.append(col.to_numpy())
+        n = pf.metadata.num_rows
+        if use_given:
+            given.setdefault(split, []).append(np.arange(offset, offset + n))
+        offset += n
+    labels = np.concatenate(labels).astype(np.int64) if labels else np.zeros(0, np.int64)
+    if class_names is not None:
+        classes = [str(c) for c in class_names]
+    elif names is not None:
+        classes = names
+    else:
+        classes = [str(i) for i in range(int(labels.max()) + 1 if labels.size else 0)]
+    check_labels(labels, classes, f"parquet {root}")
+    given_idx = {s: np.concatenate(v) for s, v in given.items()} or None
+    splits = carve_splits(labels, seed, val_fraction, test_fraction, given=given_idx)
+    split_of = split_of_index(splits, labels.size)
+
+    def records():
+        i = 0
+        for f in files:
+            row = 0
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=["image", "label"]):
+                for img, lab in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+                    load, src = _loader(img, f, row)
+                    if split_of[i] >= 0:
+                        yield Record(SPLITS[split_of[i]], int(lab), src, load)
+                    i, row = i + 1, row + 1
+
+    return Plan(classes, int(labels.size), records(), sorted(given))

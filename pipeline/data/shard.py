@@ -1,0 +1,241 @@
+"""Shard stage: source -> webdataset tars + manifest.parquet + dataset.json, atomically.
+
+Tars are byte-reproducible (fixed order, mtime/uid/names) so DVC hashes only change with data or
+params. Everything is written into a temp dir beside ``out_dir`` and renamed into place at the end.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import webdataset as wds
+from PIL import Image
+
+from .sources import SOURCES, build_plan
+from .splits import SPLITS, Record, check_fractions
+
+FORMAT_VERSION = 1
+KEEP_FORMATS = {"JPEG": "jpg", "PNG": "png"}  # kept byte-for-byte; anything else becomes PNG
+MANIFEST_SCHEMA = pa.schema([("key", pa.string()), ("split", pa.string()), ("shard", pa.string()),
+                             ("label", pa.int64()), ("source_path", pa.string()), ("bytes", pa.int64())])
+TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
+
+
+class BadImage(Exception):
+    """An input image that cannot be decoded; skipped and reported, not fatal by itself."""
+
+
+def _encode(img: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    if fmt == "JPEG":
+        img.save(buf, "JPEG", quality=95)
+    else:
+        img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def prepare(rec: Record, max_side: Optional[int]) -> tuple[str, bytes]:
+    """Return (extension, bytes) for one record; raise BadImage if it does not decode.
+
+    Encoded JPEG/PNG inputs are verified by a full decode but written unchanged unless
+    ``max_side`` forces a downscale; arrays are PNG-encoded (lossless).
+    """
+    data = rec.load()  # FileNotFoundError etc. propagate: a missing input is a hard error
+    if isinstance(data, np.ndarray):
+        img = Image.fromarray(data)
+        fmt, raw = "PNG", None
+    else:
+        try:
+            img = Image.open(io.BytesIO(data))
+            fmt = img.format
+            img.load()
+        except Exception as exn:  # PIL raises many types for corrupt/truncated data
+            raise BadImage(f"{type(exn).__name__}: {exn}") from exn
+        raw = data
+    if max_side and max(img.size) > max_side:
+        img = img.copy()
+        img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+        raw = None
+    if fmt not in KEEP_FORMATS:
+        fmt, raw = "PNG", None
+        if img.mode not in ("1", "L", "LA", "I", "P", "RGB", "RGBA"):
+            img = img.convert("RGB")
+    return KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt)
+
+
+class _SplitWriter:
+    """Lazily-opened ShardWriter for one split that tracks per-shard counts."""
+
+    def __init__(self, tmp: Path, split: str, maxcount: int, maxsize: int):
+        self.pattern = str(tmp / f"{split}-%06d.tar")
+        self.split, self.maxcount, self.maxsize = split, maxcount, maxsize
+        self.writer: Optional[wds.ShardWriter] = None
+        self.counts: dict[str, int] = {}
+        self.n = 0
+
+    def write(self, ext: str, data: bytes, label: int) -> tuple[str, str]:
+        if self.writer is None:
+            self.writer = wds.ShardWriter(self.pattern, maxcount=self.maxcount, maxsize=self.maxsize,
+                                          verbose=0, encoder=False, **TAR_META)
+        key = f"{self.split}_{self.n:07d}"
+        self.writer.write({"__key__": key, ext: data, "cls": str(label).encode()})
+        name = os.path.basename(self.writer.fname)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self.n += 1
+        return key, name
+
+    def close(self) -> list[dict]:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        return [{"name": name, "count": count, "sha256": _sha256(Path(self.pattern).parent / name)}
+                for name, count in self.counts.items()]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _chunks(it, n: int):
+    chunk = []
+    for x in it:
+        chunk.append(x)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction) -> dict[str, Any]:
+    """Stream records into per-split shards; memory is bounded by one chunk plus open shards."""
+    writers = {s: _SplitWriter(tmp, s, maxcount, maxsize) for s in SPLITS}
+    class_counts = {s: [0] * len(plan.classes) for s in SPLITS}
+    bad: list[dict] = []
+    allowed_bad = int(max_bad_fraction * plan.total)
+    rows: dict[str, list] = {name: [] for name in MANIFEST_SCHEMA.names}
+
+    def run(rec: Record):
+        try:
+            return prepare(rec, max_side), None
+        except BadImage as exn:
+            return None, str(exn)
+
+    with pq.ParquetWriter(tmp / "manifest.parquet", MANIFEST_SCHEMA) as manifest, \
+            ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 2)) as pool:
+        for chunk in _chunks(plan.records, 256):
+            for rec, (out, err) in zip(chunk, pool.map(run, chunk)):
+                if err is not None:
+                    bad.append({"path": rec.source_path, "split": rec.split, "error": err})
+                    if len(bad) > allowed_bad:
+                        raise ValueError(
+                            f"{len(bad)} undecodable image(s) out of {plan.total} exceeds "
+                            f"max_bad_fraction={max_bad_fraction}; first: {bad[0]['path']} ({bad[0]['error']})")
+                    continue
+                ext, data = out
+                key, shard = writers[rec.split].write(ext, data, rec.label)
+                class_counts[rec.split][rec.label] += 1
+                for name, v in zip(MANIFEST_SCHEMA.names,
+                                   (key, rec.split, shard, rec.label, rec.source_path, len(data))):
+                    rows[name].append(v)
+            if len(rows["key"]) >= 8192:
+                manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
+                rows = {name: [] for name in MANIFEST_SCHEMA.names}
+        manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
+    shards = {s: writers[s].close() for s in SPLITS}
+    totals = np.sum([class_counts[s] for s in SPLITS], axis=0)
+    empty = [plan.classes[i] for i in np.flatnonzero(totals == 0)]
+    if empty:
+        raise ValueError(f"class(es) {empty} ended up with no decodable images")
+    if not shards["train"]:
+        raise ValueError("the train split is empty; check the source and the split fractions")
+    return {"shards": shards, "class_counts": class_counts, "bad_files": bad}
+
+
+def _check_replaceable(out: Path) -> None:
+    """Only an empty dir or a previous shard output may be replaced (never someone's data)."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise FileExistsError(f"out_dir {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "dataset.json").exists():
+        raise FileExistsError(f"out_dir {out} is a non-empty directory without dataset.json; "
+                              "refusing to replace it")
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    _check_replaceable(out)
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def shard_dataset(out_dir, *, source: str = "digits", root=None, seed: int = 0,
+                  val_fraction: float = 0.1, test_fraction: float = 0.2, maxcount: int = 1000,
+                  maxsize: int = 64_000_000, max_side: Optional[int] = None,
+                  max_bad_fraction: float = 0.0, class_names: Optional[Sequence[str]] = None,
+                  num_classes: int = 10, samples_per_class: int = 500, image_size: int = 32) -> dict:
+    """Write ``source`` as train/val/test webdataset shards in ``out_dir``; return dataset.json's content."""
+    params = dict(source=source, root=None if root is None else str(root), seed=seed,
+                  val_fraction=val_fraction, test_fraction=test_fraction, maxcount=maxcount,
+                  maxsize=maxsize, max_side=max_side, max_bad_fraction=max_bad_fraction,
+                  class_names=None if class_names is None else list(class_names),
+                  num_classes=num_classes, samples_per_class=samples_per_class, image_size=image_size)
+    if source not in SOURCES:
+        raise ValueError(f"unknown source {source!r}; valid: {list(SOURCES)}")
+    check_fractions(val_fraction, test_fraction)
+    if maxcount < 1 or maxsize < 1:
+        raise ValueError(f"maxcount ({maxcount}) and maxsize ({maxsize}) must be >= 1")
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise ValueError(f"max_bad_fraction={max_bad_fraction!r}: must be in [0, 1]")
+    if max_side is not None and max_side < 1:
+        raise ValueError(f"max_side={max_side!r}: must be null or >= 1")
+    out = Path(out_dir)
+    _check_replaceable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        plan = build_plan(source, root=root, seed=seed, val_fraction=val_fraction,
+                          test_fraction=test_fraction, class_names=class_names, num_classes=num_classes,
+                          samples_per_class=samples_per_class, image_size=image_size)
+        written = _write_all(tmp, plan, maxcount=maxcount, maxsize=maxsize, max_side=max_side,
+                             max_bad_fraction=max_bad_fraction)
+        shards = written["shards"]
+        info = {
+            "format_version": FORMAT_VERSION,
+            "source": source,
+            "classes": plan.classes,
+            "num_classes": len(plan.classes),
+            "counts": {s: sum(sh["count"] for sh in shards[s]) for s in SPLITS},
+            "class_counts": written["class_counts"],
+            "shards": shards,
+            "given_splits": plan.given_splits,
+            "key_format": "{split}_{index:07d}",
+            "bad_files": written["bad_files"],
+            "params": params,
+        }
+        (tmp / "bad_files.json").write_text(json.dumps(written["bad_files"], indent=2) + "\n")
+        (tmp / "dataset.json").write_text(json.dumps(info, indent=2) + "\n")
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info

@@ -1,0 +1,93 @@
+"""Seeded, stratified train/val/test carve-out shared by every source.
+
+Splits are decided from labels alone (before any image is read), so sharding can stream.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class Record:
+    """One image to write: ``load()`` returns encoded bytes (kept as-is) or a uint8 array (PNG-encoded)."""
+
+    split: str
+    label: int
+    source_path: str
+    load: Callable[[], Union[bytes, np.ndarray]]
+
+
+@dataclass
+class Plan:
+    """What a source will write: class names, record count and a lazy record stream."""
+
+    classes: list[str]
+    total: int
+    records: Any  # Iterable[Record], consumed once
+    given_splits: list[str]
+
+
+def _can_stratify(labels: np.ndarray, n_take: int) -> bool:
+    counts = np.bincount(labels)
+    counts = counts[counts > 0]
+    return counts.size > 0 and counts.min() >= 2 and counts.size <= n_take <= labels.size - counts.size
+
+
+def take_fraction(idx: np.ndarray, labels: np.ndarray, frac: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split ``idx`` into (rest, taken) with ``frac`` taken, stratified when every class allows it."""
+    if frac <= 0 or idx.size == 0:
+        return idx, idx[:0]
+    n_take = math.ceil(frac * idx.size)
+    if n_take >= idx.size:
+        raise ValueError(f"fraction {frac} of {idx.size} samples leaves nothing for the remaining split")
+    y = labels[idx]
+    strat = y if _can_stratify(y, n_take) else None
+    rest, taken = train_test_split(idx, test_size=n_take, random_state=seed, shuffle=True, stratify=strat)
+    return np.asarray(rest), np.asarray(taken)
+
+
+def carve_splits(labels: np.ndarray, seed: int, val_fraction: float, test_fraction: float,
+                 given: Optional[dict[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
+    """Indices per split, each in a seeded shuffled order (so shards mix classes).
+
+    ``given`` maps split -> indices for sources with their own splits; a missing ``val`` is then
+    carved from ``train`` (``val_fraction`` of it) and a missing ``test`` is left empty.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    if given is None:
+        rest, test = take_fraction(np.arange(labels.size), labels, test_fraction, seed)
+        val_frac = val_fraction / (1.0 - test_fraction) if test_fraction < 1 else 0.0
+        train, val = take_fraction(rest, labels, val_frac, seed + 1)
+        out = {"train": train, "val": val, "test": test}
+    else:
+        out = {s: np.asarray(given.get(s, np.zeros(0, np.int64)), dtype=np.int64) for s in SPLITS}
+        if "val" not in given:
+            out["train"], out["val"] = take_fraction(out["train"], labels, val_fraction, seed + 1)
+    for k, split in enumerate(SPLITS):
+        ordered = np.sort(out[split])
+        out[split] = ordered[np.random.default_rng([seed, k]).permutation(ordered.size)]
+    return out
+
+
+def check_fractions(val_fraction: float, test_fraction: float) -> None:
+    """Reject fractions that would leave no training data."""
+    for name, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"{name}={v!r}: must be in [0, 1)")
+    if val_fraction + test_fraction >= 1.0:
+        raise ValueError(f"val_fraction + test_fraction = {val_fraction + test_fraction} must be < 1")
+
+
+def split_of_index(splits: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """Per-sample split id (index into SPLITS) for sources that must be read in their own order."""
+    out = np.full(n, -1, dtype=np.int8)
+    for k, split in enumerate(SPLITS):
+        out[splits[split]] = k
+    return out

@@ -1,0 +1,98 @@
+"""The export stage: safetensors, TorchScript and ONNX, each reloaded and checked against PyTorch."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import torch
+
+from pipeline.config import Params
+from pipeline.data import make_eval_loader
+from pipeline.model import VisionTransformer, load_model, save_model
+from pipeline.tracking import stage_run
+from pipeline.utils import EXPORTS, METRICS, MODELS, SHARDS, atomic_write_json
+
+
+def sample_images(shard_dir, n: int, image_size: int, normalize: dict) -> torch.Tensor:
+    """The first ``n`` real test images, preprocessed exactly as in evaluation."""
+    batches, got = [], 0
+    for images, _ in make_eval_loader(shard_dir, "test", batch_size=min(n, 256), image_size=image_size,
+                                      rank=0, world_size=1, augment=normalize):
+        batches.append(images)
+        got += len(images)
+        if got >= n:
+            break
+    return torch.cat(batches)[:n]
+
+
+def export_torchscript(model: VisionTransformer, example: torch.Tensor, path: Path) -> None:
+    traced = torch.jit.trace(model, example[:2], check_trace=False)
+    traced.save(str(path))
+
+
+def export_onnx(model: VisionTransformer, example: torch.Tensor, path: Path, opset: int) -> None:
+    """Dynamic batch; the position embeddings are those of the export resolution (fixed H×W)."""
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    torch.onnx.export(model, (example[:2],), str(path), input_names=["images"], output_names=["logits"],
+                      opset_version=opset, dynamo=True, dynamic_shapes={"x": {0: batch}},
+                      external_data=False, verbose=False)
+
+
+def _compare(reference: torch.Tensor, other: np.ndarray | torch.Tensor) -> dict[str, float]:
+    other = torch.as_tensor(np.asarray(other))
+    return {"max_abs_diff": (reference - other).abs().max().item(),
+            "top1_agreement": (reference.argmax(1) == other.argmax(1)).float().mean().item()}
+
+
+def export(params: Params) -> dict:
+    model, meta = load_model(MODELS / "finetune")
+    model.eval()
+    cfg = params.export
+    images = sample_images(SHARDS / "finetune", cfg.num_images, meta["image_size"], meta["normalize"])
+    with torch.no_grad():
+        reference = model(images)
+    results: dict[str, dict] = {}
+    tmp = Path(tempfile.mkdtemp(prefix=".exports.", dir="."))
+    try:
+        extra = {k: v for k, v in meta.items() if k != "model"}
+        with stage_run("export", params, extra_params={"model_size": params.model.preset,
+                                                       "image_size": meta["image_size"]}):
+            for fmt in cfg.formats:
+                if fmt == "safetensors":
+                    save_model(model, tmp, extra=extra)
+                    with torch.no_grad():
+                        results[fmt] = _compare(reference, load_model(tmp)[0].eval()(images))
+                elif fmt == "torchscript":
+                    export_torchscript(model, images, tmp / "model.torchscript.pt")
+                    with torch.no_grad():
+                        results[fmt] = _compare(reference, torch.jit.load(str(tmp / "model.torchscript.pt"))(images))
+                elif fmt == "onnx":
+                    import onnxruntime as ort
+                    export_onnx(model, images, tmp / "model.onnx", cfg.opset)
+                    sess = ort.InferenceSession(str(tmp / "model.onnx"), providers=["CPUExecutionProvider"])
+                    results[fmt] = _compare(reference, sess.run(None, {"images": images.numpy()})[0])
+            failed = [f"{fmt}: max |diff| {r['max_abs_diff']:.2e} (limit {cfg.max_abs_diff:.0e}), "
+                      f"top-1 agreement {r['top1_agreement']:.3f} (limit {cfg.min_top1_agreement})"
+                      for fmt, r in results.items()
+                      if r["max_abs_diff"] > cfg.max_abs_diff or r["top1_agreement"] < cfg.min_top1_agreement]
+            report = {"num_images": len(images), "formats": results, "passed": not failed}
+            for fmt, r in results.items():
+                mlflow.log_metrics({f"{fmt}_max_abs_diff": r["max_abs_diff"],
+                                    f"{fmt}_top1_agreement": r["top1_agreement"]})
+            if failed:
+                raise ValueError("export parity check failed: " + "; ".join(failed))
+            if EXPORTS.exists():
+                shutil.rmtree(EXPORTS)
+            tmp.rename(EXPORTS)
+            atomic_write_json(METRICS / "export.json", report)
+            mlflow.log_artifacts(str(EXPORTS), artifact_path="exports")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for fmt, r in results.items():
+        print(f"[export] {fmt}: max |logit diff| {r['max_abs_diff']:.2e}, top-1 agreement "
+              f"{r['top1_agreement']:.3f}", flush=True)
+    print(f"[export] wrote {', '.join(sorted(p.name for p in EXPORTS.iterdir()))} to {EXPORTS}/", flush=True)
+    return report

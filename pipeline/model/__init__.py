@@ -1,0 +1,22 @@
+"""Vision Transformer model package: config, model, builders, resampling, conversion, I/O."""
+from .attention import attention_maps
+from .build import build_vit, make_config
+from .config import PRESETS, ViTConfig
+from .convert import convert_state_dict
+from .io import load_model, save_model
+from .resample import resample_patch_embed, resample_pos_embed
+from .vit import VisionTransformer
+
+__all__ = [
+    "ViTConfig",
+    "VisionTransformer",
+    "PRESETS",
+    "build_vit",
+    "make_config",
+    "resample_pos_embed",
+    "resample_patch_embed",
+    "convert_state_dict",
+    "attention_maps",
+    "save_model",
+    "load_model",
+]

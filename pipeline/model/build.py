@@ -1,0 +1,59 @@
+"""Build a model from a named preset plus the few knobs a training config sets."""
+from __future__ import annotations
+
+import dataclasses
+
+from .config import PRESETS, ViTConfig
+from .vit import VisionTransformer
+
+__all__ = ["build_vit", "make_config"]
+
+
+def make_config(
+    preset: str,
+    *,
+    patch_size,
+    image_size,
+    num_classes: int,
+    pool: str = "cls",
+    dynamic_img_size: bool = False,
+    drop_path_rate: float = 0.0,
+    **overrides,
+) -> ViTConfig:
+    """Preset widths + explicit geometry + ``overrides`` (ViTConfig field names)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid presets: {sorted(PRESETS)}")
+    valid = {f.name for f in dataclasses.fields(ViTConfig)} - {"_"}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(f"unknown override(s) {unknown}; valid ViTConfig fields: {sorted(valid)}")
+    fields = dict(PRESETS[preset])
+    fields.update(
+        patch_size=patch_size, image_size=image_size, num_classes=num_classes,
+        pool=pool, dynamic_img_size=dynamic_img_size, drop_path_rate=drop_path_rate,
+    )
+    fields.update(overrides)
+    return ViTConfig(**fields)
+
+
+def build_vit(
+    preset: str,
+    *,
+    patch_size,
+    image_size,
+    num_classes: int,
+    pool: str = "cls",
+    dynamic_img_size: bool = False,
+    drop_path_rate: float = 0.0,
+    **overrides,
+) -> VisionTransformer:
+    """``build_vit("tiny", patch_size=16, image_size=224, num_classes=1000)``.
+
+    Raises ValueError for an unknown preset or override, listing the valid names.
+    """
+    return VisionTransformer(
+        make_config(
+            preset, patch_size=patch_size, image_size=image_size, num_classes=num_classes, pool=pool,
+            dynamic_img_size=dynamic_img_size, drop_path_rate=drop_path_rate, **overrides,
+        )
+    )

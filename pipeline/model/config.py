@@ -1,0 +1,127 @@
+"""Model hyper-parameters as one validated, JSON-safe dataclass.
+
+Validation happens once, at construction, so every later consumer (the model,
+the checkpoint loader, the training loop) can trust the numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+__all__ = ["ViTConfig", "PRESETS"]
+
+POOLS = ("cls", "mean")
+
+# Width / depth / heads of the standard ViT family (Dosovitskiy et al., DeiT)
+# plus two CPU-sized presets for smoke tests and tiny data sets.
+PRESETS: dict[str, dict[str, Any]] = {
+    "nano": dict(embed_dim=64, depth=4, num_heads=4, mlp_ratio=4.0),
+    "micro": dict(embed_dim=128, depth=6, num_heads=4, mlp_ratio=4.0),
+    "tiny": dict(embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0),
+    "small": dict(embed_dim=384, depth=12, num_heads=6, mlp_ratio=4.0),
+    "base": dict(embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0),
+    "large": dict(embed_dim=1024, depth=24, num_heads=16, mlp_ratio=4.0),
+    "huge": dict(embed_dim=1280, depth=32, num_heads=16, mlp_ratio=4.0),
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _pair(name: str, value: Any) -> tuple[int, int]:
+    """Accept ``16``, ``(16, 16)`` or ``[16, 16]`` (JSON) and return ``(h, w)``."""
+    if _is_int(value):
+        value = (value, value)
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or not all(_is_int(v) for v in value):
+        raise ValueError(f"{name} must be a positive int or an (h, w) pair of positive ints, got {value!r}")
+    h, w = value
+    if h <= 0 or w <= 0:
+        raise ValueError(f"{name} must be positive, got {tuple(value)!r}")
+    return int(h), int(w)
+
+
+@dataclass
+class ViTConfig:
+    """Everything needed to rebuild a :class:`VisionTransformer`.
+
+    ``image_size`` / ``patch_size`` accept an int (square) or an ``(h, w)`` pair;
+    they are stored as tuples. All other fields are keyword-only.
+    """
+
+    image_size: tuple[int, int]
+    patch_size: tuple[int, int]
+    _: KW_ONLY
+    embed_dim: int
+    depth: int
+    num_heads: int
+    in_chans: int = 3
+    num_classes: int = 10
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    drop_rate: float = 0.0  # after the pos-embed add, inside the MLP and after attn proj
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0  # stochastic depth of the *last* block (linear ramp from 0)
+    pool: str = "cls"  # "cls" (token 0) or "mean" (mean of patch tokens)
+    dynamic_img_size: bool = False  # accept any H x W divisible by patch_size
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        self.image_size = _pair("image_size", self.image_size)
+        self.patch_size = _pair("patch_size", self.patch_size)
+        for name in ("embed_dim", "depth", "num_heads", "in_chans"):
+            v = getattr(self, name)
+            if not _is_int(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not _is_int(self.num_classes) or self.num_classes < 0:
+            raise ValueError(f"num_classes must be an int >= 0 (0 = no head), got {self.num_classes!r}")
+        for dim, (img, patch) in zip("hw", zip(self.image_size, self.patch_size)):
+            if img % patch:
+                raise ValueError(
+                    f"image_size {self.image_size} is not divisible by patch_size {self.patch_size} "
+                    f"({dim}: {img} % {patch} = {img % patch}); pick sizes where every dim divides evenly"
+                )
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim={self.embed_dim} must be divisible by num_heads={self.num_heads} "
+                f"(valid num_heads: {[h for h in range(1, self.embed_dim + 1) if self.embed_dim % h == 0][:12]}...)"
+            )
+        if self.pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        if not (isinstance(self.mlp_ratio, (int, float)) and self.mlp_ratio > 0):
+            raise ValueError(f"mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
+        for name in ("drop_rate", "attn_drop_rate", "drop_path_rate"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0.0 <= v < 1.0):
+                raise ValueError(f"{name} must be a float in [0, 1), got {v!r}")
+        if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
+            raise ValueError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
+        if int(self.embed_dim * self.mlp_ratio) <= 0:
+            raise ValueError(f"embed_dim * mlp_ratio must be >= 1, got {self.embed_dim} * {self.mlp_ratio}")
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        """Patch grid ``(rows, cols)`` at ``image_size``."""
+        return self.image_size[0] // self.patch_size[0], self.image_size[1] // self.patch_size[1]
+
+    @property
+    def num_patches(self) -> int:
+        gh, gw = self.grid_size
+        return gh * gw
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (tuples become lists); ``from_dict`` inverts it."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ViTConfig":
+        valid = [f.name for f in dataclasses.fields(cls) if f.name != "_"]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown ViTConfig field(s) {unknown}; valid fields: {valid}")
+        return cls(**d)

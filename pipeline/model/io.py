@@ -1,0 +1,76 @@
+"""Checkpoint directory = ``model.safetensors`` (weights) + ``config.json`` (how to rebuild).
+
+safetensors instead of pickle: loading cannot execute code and is zero-copy.
+Each file is written to a temp file in the same directory and ``os.replace``d
+into place, so a crash never leaves a half-written checkpoint under the real name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import ViTConfig
+from .vit import VisionTransformer
+
+__all__ = ["save_model", "load_model", "WEIGHTS_NAME", "CONFIG_NAME"]
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_model(model: VisionTransformer, directory, extra: dict[str, Any] | None = None) -> Path:
+    """Write weights then config (config last: its presence marks a complete checkpoint).
+
+    ``extra`` (JSON-serialisable, e.g. epoch, metrics, class names) is merged into
+    ``config.json`` next to ``"model"``.
+    """
+    extra = dict(extra or {})
+    if "model" in extra:
+        raise ValueError("extra must not contain the key 'model' (reserved for the model config)")
+    meta = {"model": model.config.to_dict(), **extra}
+    text = json.dumps(meta, indent=2, sort_keys=False)  # fail early on non-JSON extras
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
+
+    def write_json(p):
+        with open(p, "w") as f:
+            f.write(text + "\n")
+
+    _atomic_write(directory / CONFIG_NAME, write_json)
+    return directory
+
+
+def load_model(directory, *, map_location: str | torch.device = "cpu") -> tuple[VisionTransformer, dict[str, Any]]:
+    """Rebuild the model from ``config.json`` and load weights strictly.
+
+    Returns ``(model, meta)`` where ``meta`` is the full ``config.json`` dict
+    (``meta["model"]`` plus whatever ``extra`` was saved).
+    """
+    directory = Path(directory)
+    with open(directory / CONFIG_NAME) as f:
+        meta = json.load(f)
+    if "model" not in meta:
+        raise ValueError(f"{directory / CONFIG_NAME} has no 'model' section")
+    model = VisionTransformer(ViTConfig.from_dict(meta["model"]))
+    model.load_state_dict(load_file(str(directory / WEIGHTS_NAME), device=str(map_location)), strict=True)
+    return model.to(map_location), meta

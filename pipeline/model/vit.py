@@ -1,0 +1,244 @@
+"""Vision Transformer (Dosovitskiy et al., 2021) as a few small modules.
+
+Parameter names match timm's ``VisionTransformer`` so timm checkpoints load with
+an (almost) identity key mapping; see ``convert.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ViTConfig
+from .resample import resample_patch_embed, resample_pos_embed
+
+__all__ = ["PatchEmbed", "Attention", "Mlp", "DropPath", "Block", "VisionTransformer"]
+
+
+def _dropout(p: float) -> nn.Module:
+    # Identity when disabled: no module-call or kernel cost in the hot loop.
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patches -> tokens. A strided conv is a per-patch linear map."""
+
+    def __init__(self, patch_size: tuple[int, int], in_chans: int, embed_dim: int):
+        super().__init__()
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # [B, D, gh, gw] -> [B, gh*gw, D]
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention: one fused qkv matmul + PyTorch's fused SDPA kernel."""
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.attn_drop = attn_drop  # a float: SDPA applies it inside the kernel
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = _dropout(proj_drop)
+
+    def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[B, T, D]`` -> q, k, v each ``[B, heads, T, head_dim]`` (views, no copy)."""
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return qkv.unbind(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.split_qkv(x)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        x = x.transpose(1, 2).reshape(b, t, d)
+        return self.proj_drop(self.proj(x))
+
+
+class Mlp(nn.Module):
+    """Linear -> GELU -> Linear, with dropout after each (shared, stateless)."""
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop = _dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop the whole residual branch per sample (Huang et al., 2016).
+
+    Survivors are scaled by ``1 / keep`` so the expectation matches eval mode.
+    """
+
+    def __init__(self, drop_prob: float = 0.0):
+        super().__init__()
+        self.drop_prob = float(drop_prob)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep).div_(keep)
+        return x * mask
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob:.3f}"
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ViTConfig, drop_path: float = 0.0):
+        super().__init__()
+        dim = cfg.embed_dim
+        self.norm1 = nn.LayerNorm(dim, eps=cfg.layer_norm_eps)
+        self.attn = Attention(dim, cfg.num_heads, cfg.qkv_bias, cfg.attn_drop_rate, cfg.drop_rate)
+        self.norm2 = nn.LayerNorm(dim, eps=cfg.layer_norm_eps)
+        self.mlp = Mlp(dim, int(dim * cfg.mlp_ratio), cfg.drop_rate)
+        self.drop_path = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_path.drop_prob and self.training:
+            x = x + self.drop_path(self.attn(self.norm1(x)))
+            return x + self.drop_path(self.mlp(self.norm2(x)))
+        x = x + self.attn(self.norm1(x))  # fast path: skip two no-op module calls
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionTransformer(nn.Module):
+    """ViT with a [CLS] token and learned absolute position embeddings.
+
+    ``forward(images) = forward_head(forward_features(images))``. ``model.config``
+    always describes the current geometry, so it can be saved and rebuilt.
+    """
+
+    num_prefix_tokens = 1  # the [CLS] token
+
+    def __init__(self, config: ViTConfig):
+        super().__init__()
+        self.config = config
+        d = config.embed_dim
+        self.patch_embed = PatchEmbed(config.patch_size, config.in_chans, d)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + config.num_patches, d))
+        self.pos_drop = _dropout(config.drop_rate)
+        # Stochastic depth grows linearly with depth: early blocks are kept more often.
+        n = config.depth
+        rates = [config.drop_path_rate * i / (n - 1) if n > 1 else 0.0 for i in range(n)]
+        self.blocks = nn.Sequential(*[Block(config, r) for r in rates])
+        self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.head = nn.Linear(d, config.num_classes) if config.num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """timm's default ViT init: trunc-normal(.02) linears and pos-embed, tiny cls token."""
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.cls_token, std=1e-6)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    # ------------------------------------------------------------------ forward
+    def _check_input(self, x: torch.Tensor) -> tuple[int, int]:
+        cfg = self.config
+        if x.ndim != 4 or x.shape[1] != cfg.in_chans:
+            raise ValueError(f"expected images [B, {cfg.in_chans}, H, W], got shape {tuple(x.shape)}")
+        h, w = x.shape[-2:]
+        ph, pw = cfg.patch_size
+        if cfg.dynamic_img_size:
+            if h % ph or w % pw:
+                raise ValueError(f"input size {(h, w)} is not divisible by patch_size {cfg.patch_size}")
+        elif (h, w) != cfg.image_size:
+            raise ValueError(
+                f"input size {(h, w)} does not match the model's image_size {cfg.image_size}; "
+                f"call model.set_input_size({(h, w)}) to adapt the model, or build it with dynamic_img_size=True"
+            )
+        return h // ph, w // pw
+
+    def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        pos = self.pos_embed
+        if grid != self.config.grid_size:  # only reachable with dynamic_img_size
+            pos = resample_pos_embed(pos, grid, old_grid=self.config.grid_size, num_prefix_tokens=self.num_prefix_tokens)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + pos
+        return self.pos_drop(x)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``[B, C, H, W]`` -> normalised tokens ``[B, 1 + N, D]`` (token 0 is [CLS])."""
+        grid = self._check_input(x)
+        x = self._pos_embed(self.patch_embed(x), grid)
+        x = self.blocks(x)
+        return self.norm(x)
+
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens -> one ``[B, D]`` vector per image ([CLS] token or mean of patch tokens)."""
+        if self.config.pool == "cls":
+            return tokens[:, 0]
+        return tokens[:, self.num_prefix_tokens :].mean(dim=1)
+
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.pool(tokens)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    # ------------------------------------------------------------ adaptation
+    @torch.no_grad()
+    def set_input_size(self, image_size=None, patch_size=None, *, mode: str = "bicubic", antialias: bool = True) -> None:
+        """Move the model in place to a new image and/or patch size (fine-tuning at a new resolution).
+
+        The position embedding is resampled to the new patch grid; a new patch size
+        also PI-resizes the patch kernel (FlexiViT) so tokens stay comparable.
+        Replaces parameters: build the optimizer *after* calling this.
+        """
+        cfg = self.config
+        new_cfg = dataclasses.replace(
+            cfg,
+            image_size=cfg.image_size if image_size is None else image_size,
+            patch_size=cfg.patch_size if patch_size is None else patch_size,
+        )  # __post_init__ validates divisibility
+        if new_cfg.patch_size != cfg.patch_size:
+            old = self.patch_embed.proj
+            new = PatchEmbed(new_cfg.patch_size, cfg.in_chans, cfg.embed_dim).to(old.weight.device, old.weight.dtype)
+            new.proj.weight.copy_(resample_patch_embed(old.weight, new_cfg.patch_size, mode=mode, antialias=antialias))
+            new.proj.bias.copy_(old.bias)
+            new.proj.weight.requires_grad_(old.weight.requires_grad)
+            new.proj.bias.requires_grad_(old.bias.requires_grad)
+            self.patch_embed = new
+        if new_cfg.grid_size != cfg.grid_size:
+            pos = resample_pos_embed(
+                self.pos_embed.data, new_cfg.grid_size, old_grid=cfg.grid_size,
+                num_prefix_tokens=self.num_prefix_tokens, mode=mode, antialias=antialias,
+            )
+            self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
+        self.config = new_cfg
+
+    def reset_classifier(self, num_classes: int, *, init: str = "zeros") -> None:
+        """Replace the head for a new label set; ``init`` is ``"zeros"`` or ``"trunc_normal"``."""
+        if init not in ("zeros", "trunc_normal"):
+            raise ValueError(f"init must be 'zeros' or 'trunc_normal', got {init!r}")
+        new_cfg = dataclasses.replace(self.config, num_classes=num_classes)  # validates num_classes
+        ref = self.norm.weight
+        if num_classes == 0:
+            self.head = nn.Identity()
+        else:
+            head = nn.Linear(new_cfg.embed_dim, num_classes).to(ref.device, ref.dtype)
+            if init == "zeros":
+                nn.init.zeros_(head.weight)
+            else:
+                nn.init.trunc_normal_(head.weight, std=0.02)
+            nn.init.zeros_(head.bias)
+            self.head = head
+        self.config = new_cfg

@@ -1,0 +1,130 @@
+"""MLflow plumbing shared by the stages.
+
+The driver (the stage process) owns the run: it creates it, tags it and ends it. Ray workers only
+log metrics into it by run id (:class:`RunLogger`), so a restarted worker never creates a second
+run. All runs of one pipeline invocation (same code + same params.yaml) hang under one parent run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from pipeline.config import ConfigError, Params, flatten
+
+
+class TrackingUnreachable(ConfigError):
+    """The configured MLflow server does not answer."""
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """Make a relative ``sqlite:///file.db`` absolute so Ray workers (other cwd) hit the same file."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
+    """Fail fast (before Ray starts) when an HTTP tracking server is not reachable."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise TrackingUnreachable(
+            f"MLFLOW_TRACKING_URI={uri} is not reachable ({exc}). Start a local server with "
+            f"`bash infra/mlflow-server.sh` (or `mlflow server --host 127.0.0.1 --port 5000`), "
+            f"or unset MLFLOW_TRACKING_URI to log to sqlite:///mlflow.db") from None
+
+
+def git_info(cwd: str | os.PathLike = ".") -> dict[str, str]:
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+            return out.stdout.strip() if out.returncode == 0 else ""
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit != "unknown" else False
+    return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+
+
+def file_hash(path: str | os.PathLike) -> str:
+    p = Path(path)
+    return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else "none"
+
+
+def pipeline_id(params_path: str | os.PathLike = "params.yaml") -> str:
+    """Same commit + same params.yaml → same id: the stages of one `dvc repro` share it."""
+    commit = git_info(Path(params_path).parent)["git.commit"]
+    return hashlib.sha256(f"{commit}:{file_hash(params_path)}".encode()).hexdigest()[:12]
+
+
+def _parent_run(client, experiment_id: str, pid: str, tags: dict[str, str]) -> str:
+    found = client.search_runs([experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'pipeline'",
+                               max_results=1)
+    if found:
+        return found[0].info.run_id
+    run = client.create_run(experiment_id, run_name=f"pipeline-{pid}",
+                            tags={**tags, "kind": "pipeline", "pipeline.id": pid})
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+@contextmanager
+def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None = None,
+              tags: dict[str, str] | None = None, params_path: str = "params.yaml") -> Iterator[Any]:
+    """Create the stage's MLflow run under the pipeline's parent run; yields the active run.
+
+    The run is marked FAILED if the stage raises, FINISHED otherwise.
+    """
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = resolve_tracking_uri(params.tracking_uri)
+    check_tracking_uri(uri)
+    mlflow.set_tracking_uri(uri)
+    experiment = mlflow.set_experiment(params.mlflow.experiment)
+    client = MlflowClient(uri)
+    base_tags = {**git_info(), "dvc.lock": file_hash("dvc.lock")}
+    pid = pipeline_id(params_path)
+    parent = _parent_run(client, experiment.experiment_id, pid, base_tags)
+    all_tags = {**base_tags, **(tags or {}), "stage": stage, "kind": "stage", "pipeline.id": pid,
+                "mlflow.parentRunId": parent}
+    with mlflow.start_run(run_name=(tags or {}).get("run_name", stage), tags=all_tags) as run:
+        logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage),
+                  **(extra_params or {})}
+        mlflow.log_params({k: _param_value(v) for k, v in logged.items()})
+        yield run
+
+
+def _param_value(v: Any) -> str:
+    s = json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+    return s[:6000]
+
+
+class RunLogger:
+    """Logs metrics into an existing run by id: used from Ray workers (rank 0 only)."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri)
+        self.run_id = run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=batch)

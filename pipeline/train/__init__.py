@@ -1,0 +1,1 @@
+"""Training: Ray Train driver, per-worker loop, optimiser, and the pretrain/finetune stages."""

@@ -1,0 +1,104 @@
+"""The pretrain and finetune stages: params in, model directory + metrics + curves out."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import torch
+
+from pipeline.config import Params, TrainConfig
+from pipeline.data import read_dataset_info
+from pipeline.model import VisionTransformer, build_vit, convert_state_dict, load_model, save_model
+from pipeline.tracking import stage_run
+from pipeline.train.driver import run_training, write_history
+from pipeline.utils import METRICS, MODELS, PLOTS, SHARDS, atomic_write_json
+
+
+def _extra_params(params: Params, cfg: TrainConfig, model: VisionTransformer, info: dict) -> dict:
+    c = model.config
+    return {"model_size": params.model.preset, "patch_size": c.patch_size[0], "image_size": cfg.image_size,
+            "num_params": sum(p.numel() for p in model.parameters()), "world_size": params.ray.num_workers,
+            "global_batch_size": cfg.global_batch_size, "dataset": info.get("source"),
+            "num_classes": len(info["classes"])}
+
+
+def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
+                    shard_dir: Path, info: dict, extra: dict) -> dict:
+    tags = {"dataset.manifest": info.get("manifest_sha256", ""), "run_name": stage}
+    with stage_run(stage, params, extra_params={**_extra_params(params, cfg, model, info), **extra},
+                   tags=tags) as run:
+        result = run_training(stage, params, cfg, model, str(shard_dir), run_id=run.info.run_id)
+        final = result.history[-1]
+        summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "step") if k in final}
+        out_dir = MODELS / stage
+        meta = {"classes": info["classes"], "image_size": cfg.image_size,
+                "normalize": {k: cfg.augment.get(k, [0.5, 0.5, 0.5]) for k in ("mean", "std")},
+                "stage": stage, "ray_run": result.run_name, "mlflow_run_id": run.info.run_id}
+        save_model(result.model, out_dir, extra=meta)
+        atomic_write_json(METRICS / f"{stage}.json", summary)
+        write_history(result.history, PLOTS / f"{stage}_history.csv")
+        mlflow.set_tag("ray.run_name", result.run_name)
+        for path in (METRICS / f"{stage}.json", PLOTS / f"{stage}_history.csv", out_dir / "config.json"):
+            mlflow.log_artifact(str(path))
+    print(f"[{stage}] done: val top-1 {summary.get('val_top1', float('nan')):.4f} -> {out_dir}/", flush=True)
+    return summary
+
+
+def pretrain(params: Params) -> dict:
+    """Train a ViT from scratch on the pretrain shards."""
+    shard_dir = SHARDS / "pretrain"
+    info = read_dataset_info(shard_dir)
+    torch.manual_seed(params.pretrain.seed)
+    model = build_vit(params.model.preset, patch_size=params.model.patch_size,
+                      image_size=params.pretrain.image_size, num_classes=len(info["classes"]),
+                      pool=params.model.pool, drop_path_rate=params.model.drop_path_rate,
+                      **params.model.overrides())
+    return _train_and_save("pretrain", params, params.pretrain, model, shard_dir, info, {})
+
+
+def load_finetune_start(params: Params, num_classes: int) -> VisionTransformer:
+    """Pretrained weights (or an external file), new head, moved to the fine-tune resolution/patch."""
+    ft = params.finetune
+    if ft.init is None:
+        model, _ = load_model(MODELS / "pretrain")
+    else:
+        model = _load_external(params, Path(ft.init))
+    torch.manual_seed(ft.seed)
+    model.reset_classifier(num_classes)
+    model.set_input_size(image_size=ft.image_size, patch_size=params.finetune_patch_size,
+                         mode=ft.interpolation.mode, antialias=ft.interpolation.antialias)
+    return model
+
+
+def _load_external(params: Params, path: Path) -> VisionTransformer:
+    if not path.exists():
+        raise FileNotFoundError(f"finetune.init: {path} does not exist (a model directory, .safetensors or .pt file)")
+    if path.is_dir():
+        return load_model(path)[0]
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    if params.finetune.init_source != "pipeline":
+        state = convert_state_dict(state, params.finetune.init_source)
+    model = build_vit(params.model.preset, patch_size=params.model.patch_size,
+                      image_size=params.pretrain.image_size, num_classes=0, pool=params.model.pool,
+                      **params.model.overrides())
+    state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not m.startswith("head.")]:
+        raise ValueError(f"finetune.init: {path} does not fit model.preset={params.model.preset!r} "
+                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return model
+
+
+def finetune(params: Params) -> dict:
+    """Fine-tune the pretrained model on the finetune shards at the fine-tune resolution."""
+    shard_dir = SHARDS / "finetune"
+    info = read_dataset_info(shard_dir)
+    model = load_finetune_start(params, len(info["classes"]))
+    extra = {"interpolation.mode": params.finetune.interpolation.mode,
+             "interpolation.antialias": params.finetune.interpolation.antialias,
+             "pretrain_image_size": params.pretrain.image_size, "init": params.finetune.init or "models/pretrain"}
+    return _train_and_save("finetune", params, params.finetune, model, shard_dir, info, extra)

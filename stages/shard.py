@@ -1,0 +1,20 @@
+"""DVC stage `shard@<name>`: the dataset in params `data.<name>` -> WebDataset shards in data/shards/<name>/."""
+import dataclasses
+import sys
+
+from pipeline.cli import run_stage
+from pipeline.config import ConfigError, Params
+from pipeline.data import shard_dataset
+from pipeline.utils import SHARDS
+
+
+def main(params: Params, name: str = "") -> None:
+    if name not in ("pretrain", "finetune"):
+        raise ConfigError(f"usage: python -m stages.shard {{pretrain|finetune}} (got {name!r})")
+    spec = getattr(params.data, name)
+    info = shard_dataset(SHARDS / name, **dataclasses.asdict(spec))
+    print(f"[shard:{name}] {spec.source}: {info['counts']} -> {SHARDS / name}/", flush=True)
+
+
+if __name__ == "__main__":
+    run_stage(main, *sys.argv[1:])

@@ -1,0 +1,75 @@
+"""params.yaml → typed config: defaults load, and bad values stop with a message naming key and value."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, load_params, flatten
+from pipeline.train.driver import worker_batch
+from pipeline.train.optim import warmup_cosine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_repo_params_load():
+    p = load_params(ROOT / "params.yaml")
+    assert p.finetune.image_size > p.pretrain.image_size
+    assert p.finetune.interpolation.mode == "bicubic"
+    assert p.tracking_uri.startswith(("sqlite:", "http", "file:", "/"))
+    flat = flatten(p)
+    assert flat["model.preset"] == p.model.preset and "finetune.interpolation.antialias" in flat
+
+
+@pytest.mark.parametrize("override, needles", [
+    ({"model.num_heads": 5}, ["model.num_heads", "5", "valid head counts", "4"]),
+    ({"pretrain.image_size": 18}, ["pretrain.image_size", "18", "model.patch_size=4", "16 or 20"]),
+    ({"finetune.image_size": 30}, ["finetune.image_size", "30", "28 or 32"]),
+    ({"finetune.patch_size": 5}, ["finetune.image_size", "finetune.patch_size=5"]),
+    ({"pretrain.lrr": 0.1}, ["pretrain.lrr", "unknown key", "lr"]),
+    ({"pretrain.epochs": "ten"}, ["pretrain.epochs", "'ten'", "int"]),
+    ({"ray.use_gpu": "yes"}, ["ray.use_gpu", "bool"]),
+    ({"model.preset": "gigantic"}, ["model.preset", "gigantic", "tiny", "base"]),
+    ({"finetune.interpolation.mode": "lanczos"}, ["finetune.interpolation.mode", "lanczos", "bicubic"]),
+    ({"data.pretrain.source": "mnist"}, ["data.pretrain.source", "mnist", "imagefolder"]),
+    ({"data.finetune.source": "imagefolder"}, ["data.finetune.root", "required"]),
+    ({"pretrain.global_batch_size": 63}, ["pretrain.global_batch_size", "63", "ray.num_workers=2"]),
+    ({"evaluate.resolutions": [32, 33]}, ["evaluate.resolutions[1]", "33"]),
+    ({"export.formats": ["onnx", "tflite"]}, ["export.formats[1]", "tflite", "torchscript"]),
+])
+def test_bad_values_name_key_value_and_valid(override, needles):
+    with pytest.raises(ConfigError) as err:
+        load_params(ROOT / "params.yaml", overrides=override)
+    for n in needles:
+        assert n in str(err.value), (n, str(err.value))
+
+
+def test_float_accepts_int_and_yaml_exponent(tmp_path):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["pretrain"]["lr"] = "1e-3"  # YAML 1.1 reads this as a string
+    raw["pretrain"]["weight_decay"] = 0
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    p = load_params(tmp_path / "params.yaml")
+    assert p.pretrain.lr == pytest.approx(1e-3) and isinstance(p.pretrain.weight_decay, float)
+
+
+def test_stage_exits_nonzero_with_message_before_any_work(tmp_path):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["model"]["num_heads"] = 3
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    proc = subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=ROOT, capture_output=True, text=True,
+                          env={"VIT_PARAMS": str(tmp_path / "params.yaml"), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 2
+    assert "model.num_heads: 3 does not divide model.embed_dim=64" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_worker_batch_and_schedule():
+    assert worker_batch(64, 2) == 32 and worker_batch(64, 1) == 64
+    with pytest.raises(ValueError):
+        worker_batch(63, 2)
+    lrs = [warmup_cosine(s, warmup_steps=10, total_steps=100, base_lr=1e-3, min_lr=1e-5) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # cosine decays monotonically
+    assert lrs[-1] == pytest.approx(1e-2, abs=2e-3)  # ends near min_lr / base_lr

@@ -1,0 +1,344 @@
+"""Tests for pipeline.model: shapes, parameter parity with timm, resampling, I/O, conversion."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.model import (
+    PRESETS,
+    VisionTransformer,
+    ViTConfig,
+    attention_maps,
+    build_vit,
+    convert_state_dict,
+    load_model,
+    resample_patch_embed,
+    resample_pos_embed,
+    save_model,
+)
+
+torch.manual_seed(0)
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def nano(**kw) -> VisionTransformer:
+    kw = {"patch_size": 4, "image_size": 16, "num_classes": 10, **kw}
+    return build_vit("nano", **kw)
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_normalises_and_roundtrips_json():
+    cfg = ViTConfig(image_size=[32, 48], patch_size=8, embed_dim=64, depth=2, num_heads=4)
+    assert cfg.image_size == (32, 48) and cfg.patch_size == (8, 8)
+    assert cfg.grid_size == (4, 6) and cfg.num_patches == 24
+    again = ViTConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(image_size=30, patch_size=16), "image_size"),
+        (dict(image_size=(32, 30), patch_size=16), "divisible"),
+        (dict(embed_dim=65), "num_heads"),
+        (dict(pool="max"), "pool"),
+        (dict(depth=0), "depth"),
+        (dict(patch_size=(0, 4)), "patch_size"),
+        (dict(drop_path_rate=1.5), "drop_path_rate"),
+        (dict(num_classes=-1), "num_classes"),
+    ],
+)
+def test_config_rejects_bad_values(kw, match):
+    base = dict(image_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4)
+    with pytest.raises(ValueError, match=match):
+        ViTConfig(**{**base, **kw})
+
+
+def test_build_rejects_unknown_names():
+    with pytest.raises(ValueError, match="valid presets"):
+        build_vit("gigantic", patch_size=16, image_size=224, num_classes=10)
+    with pytest.raises(ValueError, match="valid ViTConfig fields"):
+        nano(dropout=0.1)
+    assert nano(depth=2, embed_dim=32).config.depth == 2
+
+
+# ----------------------------------------------------------------------------- shapes / params
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_forward_shapes(pool):
+    model = nano(pool=pool).eval()
+    x = torch.randn(3, 3, 16, 16)
+    tokens = model.forward_features(x)
+    assert tokens.shape == (3, 1 + 16, 64)
+    assert model.forward_head(tokens).shape == (3, 10)
+    assert model(x).shape == (3, 10)
+    assert model.forward_head(tokens, pre_logits=True).shape == (3, 64)
+
+
+def test_mean_pool_averages_patch_tokens_only():
+    model = nano(pool="mean").eval()
+    tokens = torch.randn(2, 17, 64)
+    expected = model.head(tokens[:, 1:].mean(1))
+    torch.testing.assert_close(model.forward_head(tokens), expected)
+    assert not torch.allclose(model.forward_head(tokens), model.head(tokens.mean(1)))
+
+
+def test_headless_model_returns_features():
+    model = nano(num_classes=0).eval()
+    assert isinstance(model.head, torch.nn.Identity)
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 64)
+
+
+def test_vit_b16_param_count():
+    with torch.device("meta"):
+        model = build_vit("base", patch_size=16, image_size=224, num_classes=1000)
+    assert n_params(model) == 86_567_656
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "large", "huge"])
+def test_param_count_and_names_match_timm(preset):
+    timm_vit = pytest.importorskip("timm.models.vision_transformer")
+    p = PRESETS[preset]
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        ours = build_vit(preset, patch_size=16, image_size=224, num_classes=1000)
+        ref = timm_vit.VisionTransformer(
+            img_size=224, patch_size=16, num_classes=1000,
+            embed_dim=p["embed_dim"], depth=p["depth"], num_heads=p["num_heads"], mlp_ratio=p["mlp_ratio"],
+        )
+    assert n_params(ours) == n_params(ref)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+
+
+def test_wrong_input_size_raises_with_hint():
+    model = nano()
+    with pytest.raises(ValueError, match=r"\(32, 32\).*\(16, 16\).*set_input_size.*dynamic_img_size"):
+        model(torch.randn(1, 3, 32, 32))
+    with pytest.raises(ValueError, match="expected images"):
+        model(torch.randn(1, 1, 16, 16))
+
+
+# ----------------------------------------------------------------------------- resampling
+def test_resample_pos_embed_identity_on_same_grid():
+    pos = torch.randn(1, 1 + 6 * 4, 8)
+    out = resample_pos_embed(pos, (6, 4), old_grid=(6, 4))
+    assert torch.equal(out, pos)
+    square = torch.randn(2, 17, 8)
+    assert torch.equal(resample_pos_embed(square, 4), square)  # old_grid defaults to sqrt(16) = 4
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic", "area"])
+def test_resample_pos_embed_keeps_cls_and_resizes_grid(mode):
+    pos = torch.randn(1, 1 + 4 * 6, 8, dtype=torch.bfloat16)
+    out = resample_pos_embed(pos, (8, 3), old_grid=(4, 6), mode=mode)
+    assert out.shape == (1, 1 + 8 * 3, 8) and out.dtype == torch.bfloat16
+    assert torch.equal(out[:, :1], pos[:, :1])
+
+
+def test_resample_pos_embed_errors():
+    with pytest.raises(ValueError, match="mode"):
+        resample_pos_embed(torch.randn(1, 17, 8), 8, mode="lanczos")
+    with pytest.raises(ValueError, match="old_grid"):
+        resample_pos_embed(torch.randn(1, 17, 8), 8, old_grid=(3, 4))
+    with pytest.raises(ValueError, match="square"):
+        resample_pos_embed(torch.randn(1, 1 + 12, 8), 8)
+
+
+# ----------------------------------------------------------------------------- I/O
+def test_save_load_roundtrip(tmp_path):
+    model = nano(pool="mean", num_classes=5).eval()
+    save_model(model, tmp_path / "ckpt", extra={"epoch": 3, "classes": list("abcde")})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    loaded, meta = load_model(tmp_path / "ckpt")
+    assert meta["epoch"] == 3 and meta["model"]["pool"] == "mean"
+    assert loaded.config == model.config
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(loaded.eval()(x), model(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="model"):
+        save_model(model, tmp_path / "bad", extra={"model": 1})
+
+
+# ----------------------------------------------------------------------------- conversion parity
+def _perturb(model: torch.nn.Module) -> torch.nn.Module:
+    """Random init leaves zero biases / unit LayerNorms / (torchvision) a zero head: shake them."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.eval()
+
+
+def test_convert_timm_same_logits():
+    timm_vit = pytest.importorskip("timm.models.vision_transformer")
+    ref = _perturb(timm_vit.VisionTransformer(
+        img_size=64, patch_size=16, embed_dim=192, depth=2, num_heads=3, num_classes=7,
+    ))
+    assert ref.norm.eps == 1e-6  # timm's ViT default, same as ours
+    ours = build_vit("tiny", patch_size=16, image_size=64, num_classes=7, depth=2).eval()
+    ours.load_state_dict(convert_state_dict(ref.state_dict(), "timm"), strict=True)
+    x = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        out, expected = ours(x), ref(x)
+    assert expected.std(0).mean() > 1e-3  # logits actually depend on the image
+    assert (out - expected).abs().max() <= 1e-4
+
+
+def test_convert_torchvision_same_logits():
+    tv = pytest.importorskip("torchvision.models.vision_transformer")
+    ref = _perturb(tv.VisionTransformer(
+        image_size=64, patch_size=16, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=256, num_classes=7
+    ))
+    ours = build_vit("nano", patch_size=16, image_size=64, num_classes=7, depth=2).eval()
+    ours.load_state_dict(convert_state_dict(ref.state_dict(), "torchvision"), strict=True)
+    x = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        out, expected = ours(x), ref(x)
+    assert expected.std(0).mean() > 1e-3
+    assert (out - expected).abs().max() <= 1e-4
+
+
+def test_convert_vit_b16_torchvision_keys_and_resample():
+    tv = pytest.importorskip("torchvision.models")
+    with torch.device("meta"):
+        sd = tv.vit_b_16(weights=None).state_dict()
+    sd["encoder.pos_embedding"] = torch.randn(1, 197, 768)  # the one tensor we must compute with
+    sd = {k: v if v.device.type != "meta" else torch.empty(v.shape) for k, v in sd.items()}
+    ours = build_vit("base", patch_size=16, image_size=384, num_classes=1000)
+    converted = convert_state_dict(sd, "torchvision", grid=ours.config.grid_size)
+    assert converted["pos_embed"].shape == (1, 1 + 24 * 24, 768)
+    assert torch.equal(converted["pos_embed"][:, 0], sd["encoder.pos_embedding"][:, 0])
+    ours.load_state_dict(converted, strict=True)
+    assert "head.weight" not in convert_state_dict(sd, "torchvision", drop_head=True)
+
+
+def test_convert_rejects_unsupported_keys():
+    sd = nano().state_dict()
+    with pytest.raises(ValueError, match="reg_token"):
+        convert_state_dict({**sd, "reg_token": torch.zeros(1, 4, 64)}, "timm")
+    with pytest.raises(ValueError, match="source"):
+        convert_state_dict(sd, "jax")
+
+
+# ----------------------------------------------------------------------------- attention maps
+def test_attention_maps_are_the_attention_used():
+    model = _perturb(nano())
+    x = torch.randn(2, 3, 16, 16)
+    inputs = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for b in model.blocks]
+    with torch.no_grad():
+        maps = attention_maps(model, x)
+    for h in hooks:
+        h.remove()
+    assert len(maps) == model.config.depth
+    for block, attn, block_in in zip(model.blocks, maps, inputs):
+        assert attn.shape == (2, 4, 17, 17)
+        torch.testing.assert_close(attn.sum(-1), torch.ones(2, 4, 17))
+        with torch.no_grad():
+            y = block.norm1(block_in)
+            _, _, v = block.attn.split_qkv(y)
+            manual = block.attn.proj((attn @ v).transpose(1, 2).reshape(y.shape))
+            torch.testing.assert_close(manual, block.attn(y), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- geometry changes
+@pytest.mark.parametrize("new", [12, 16])
+def test_pi_resize_upsampling_is_exact(new):
+    """Upsampling: resize() is injective, so <resize(x), w_new> = <x, w_old> holds exactly (float32 noise)."""
+    w, x = torch.randn(16, 3, 8, 8), torch.randn(32, 3, 8, 8)
+    w_new = resample_patch_embed(w, new)
+    x_new = F.interpolate(x, size=(new, new), mode="bicubic", antialias=True, align_corners=False)
+    out, ref = F.conv2d(x_new, w_new, stride=new), F.conv2d(x, w, stride=8)
+    assert (out - ref).abs().max() / ref.abs().mean() < 1e-4
+
+
+def test_pi_resize_downsampling_beats_naive_resize():
+    """Downsampling loses information: PI-resize is only the least-squares best, so compare to a baseline."""
+    w, x = torch.randn(16, 3, 16, 16), torch.randn(256, 3, 16, 16)
+    x_new = F.interpolate(x, size=(8, 8), mode="bicubic", antialias=True, align_corners=False)
+    ref = F.conv2d(x, w, stride=16)
+    pi = F.conv2d(x_new, resample_patch_embed(w, 8), stride=8)
+    naive_w = F.interpolate(w, size=(8, 8), mode="bicubic", antialias=True, align_corners=False) * 4
+    naive = F.conv2d(x_new, naive_w, stride=8)
+    assert (pi - ref).pow(2).mean() < (naive - ref).pow(2).mean()
+    assert torch.equal(resample_patch_embed(w, 16), w)
+
+
+def test_set_input_size_16_to_32_then_train_step():
+    model = nano()
+    pos_cls = model.pos_embed[:, :1].detach().clone()
+    model.set_input_size(32)
+    assert model.config.image_size == (32, 32) and model.pos_embed.shape == (1, 1 + 64, 64)
+    assert torch.equal(model.pos_embed[:, :1], pos_cls)
+    model.train()
+    logits = model(torch.randn(4, 3, 32, 32))
+    loss = F.cross_entropy(logits, torch.tensor([0, 1, 2, 3]))
+    assert torch.isfinite(logits).all() and torch.isfinite(loss)
+    loss.backward()
+    assert model.pos_embed.grad is not None and torch.isfinite(model.pos_embed.grad).all()
+
+
+def test_set_input_size_patch_change_keeps_tokens_close():
+    """Patch 4 -> 8, image 16 -> 32, same 4x4 grid. A 2x nearest upsample of the image is a per-patch
+    upsample, so with PI-resize (same mode) every token, hence every logit, is unchanged."""
+    model = _perturb(nano())
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        before = model(x)
+        model.set_input_size(32, 8, mode="nearest")
+        after = model(F.interpolate(x, size=(32, 32), mode="nearest"))
+    assert model.config.patch_size == (8, 8) and model.patch_embed.proj.weight.shape[-2:] == (8, 8)
+    assert model.config.grid_size == (4, 4)
+    torch.testing.assert_close(after, before, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="divisible"):
+        model.set_input_size(36)
+
+
+def test_dynamic_img_size():
+    model = nano(dynamic_img_size=True).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), nano_copy(model)(x))
+        assert model(torch.randn(2, 3, 24, 32)).shape == (2, 10)
+        assert model.forward_features(torch.randn(1, 3, 8, 12)).shape == (1, 1 + 6, 64)
+    with pytest.raises(ValueError, match="divisible"):
+        model(torch.randn(1, 3, 18, 16))
+    assert model.pos_embed.shape == (1, 17, 64)  # the stored embedding is untouched
+
+
+def nano_copy(model):
+    clone = VisionTransformer(model.config).eval()
+    clone.load_state_dict(model.state_dict())
+    return clone
+
+
+def test_reset_classifier():
+    model = nano()
+    model.reset_classifier(3)
+    assert model.config.num_classes == 3 and model.head.out_features == 3
+    assert torch.count_nonzero(model.head.weight) == 0
+    model.reset_classifier(0)
+    assert isinstance(model.head, torch.nn.Identity) and model.config.num_classes == 0
+
+
+# ----------------------------------------------------------------------------- stochastic depth
+def test_drop_path_rates_ramp_linearly():
+    model = build_vit("micro", patch_size=4, image_size=16, num_classes=10, drop_path_rate=0.5)
+    rates = [b.drop_path.drop_prob for b in model.blocks]
+    assert rates[0] == 0.0 and rates[-1] == pytest.approx(0.5)
+    assert rates == pytest.approx([0.1 * i for i in range(6)])
+
+
+def test_drop_path_eval_deterministic_train_stochastic():
+    model = nano(drop_path_rate=0.5)
+    x = torch.randn(8, 3, 16, 16)
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(model(x), model(x), rtol=0, atol=0)
+        model.train()
+        assert not torch.allclose(model(x), model(x))
+        deterministic = nano().train()  # no dropout of any kind configured
+        torch.testing.assert_close(deterministic(x), deterministic(x), rtol=0, atol=0)
