@@ -1,6 +1,7 @@
 """Entry-point wrapper for the stages: load params, run, turn known errors into exit code 2."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Callable
@@ -11,6 +12,7 @@ from pipeline.config import ConfigError, Params, load_params
 def run_stage(fn: Callable[..., object], *args: str) -> None:
     """Load ``params.yaml`` (or ``$VIT_PARAMS``), call ``fn(params, *args)``, exit non-zero on error."""
     path = os.environ.get("VIT_PARAMS", "params.yaml")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep the console to progress lines
     try:
         params: Params = load_params(path)
         fn(params, *args)

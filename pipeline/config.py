@@ -20,6 +20,7 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 SOURCES = ("digits", "fractals", "imagefolder", "parquet", "cifar")
 INTERP_MODES = ("nearest", "bilinear", "bicubic", "area")
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
+AMP_MODES = ("auto", "bf16", "fp16", "off")
 
 
 class ConfigError(ValueError):
@@ -93,6 +94,14 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 1
     augment: dict[str, Any] = field(default_factory=dict)
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    ema_decay: Optional[float] = None
+    amp: str = "auto"
+    layer_decay: Optional[float] = None
+    max_worker_batch: Optional[int] = None
+    checkpoint_every_steps: Optional[int] = None
+    log_every_steps: int = 10
 
 
 @dataclass
@@ -281,6 +290,16 @@ def validate(p: Params) -> Params:
             _positive(f"{stage}.{k}", getattr(t, k))
         if not 0.0 <= t.label_smoothing < 1.0:
             raise ConfigError(f"{stage}.label_smoothing: {t.label_smoothing!r} must be in [0, 1)")
+        _choice(f"{stage}.amp", t.amp, AMP_MODES)
+        for k in ("ema_decay", "layer_decay"):
+            v = getattr(t, k)
+            if v is not None and not 0.0 < v <= 1.0:
+                raise ConfigError(f"{stage}.{k}: {v!r} must be in (0, 1] or null")
+        for k in ("max_worker_batch", "checkpoint_every_steps", "log_every_steps"):
+            if getattr(t, k) is not None:
+                _positive(f"{stage}.{k}", getattr(t, k))
+        if t.mixup_alpha < 0 or t.cutmix_alpha < 0:
+            raise ConfigError(f"{stage}.mixup_alpha / cutmix_alpha must be >= 0 (0 turns them off)")
         if t.global_batch_size % p.ray.num_workers:
             raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
                               f"ray.num_workers={p.ray.num_workers} (each worker gets an equal share)")

@@ -81,10 +81,12 @@ def _parent_run(client, experiment_id: str, pid: str, tags: dict[str, str]) -> s
 
 @contextmanager
 def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None = None,
-              tags: dict[str, str] | None = None, params_path: str = "params.yaml") -> Iterator[Any]:
+              tags: dict[str, str] | None = None, resume_key: str | None = None,
+              system_metrics: bool = False, params_path: str = "params.yaml") -> Iterator[Any]:
     """Create the stage's MLflow run under the pipeline's parent run; yields the active run.
 
-    The run is marked FAILED if the stage raises, FINISHED otherwise.
+    ``resume_key`` (the Ray run name) makes a re-launched training run log into the MLflow run it
+    started before instead of opening a second one. The run ends FAILED if the stage raises.
     """
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -99,7 +101,20 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     parent = _parent_run(client, experiment.experiment_id, pid, base_tags)
     all_tags = {**base_tags, **(tags or {}), "stage": stage, "kind": "stage", "pipeline.id": pid,
                 "mlflow.parentRunId": parent}
-    with mlflow.start_run(run_name=(tags or {}).get("run_name", stage), tags=all_tags) as run:
+    previous = None
+    if resume_key:
+        all_tags["ray.run_name"] = resume_key
+        found = client.search_runs([experiment.experiment_id], f"tags.`ray.run_name` = '{resume_key}'",
+                                   max_results=1)
+        previous = found[0].info.run_id if found else None
+    run_name = all_tags.pop("run_name", stage)
+    if previous:
+        ctx = mlflow.start_run(run_id=previous, log_system_metrics=system_metrics)
+    else:
+        ctx = mlflow.start_run(run_name=run_name, tags=all_tags, log_system_metrics=system_metrics)
+    with ctx as run:
+        if previous:
+            mlflow.set_tags(all_tags)
         logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage),
                   **(extra_params or {})}
         mlflow.log_params({k: _param_value(v) for k, v in logged.items()})

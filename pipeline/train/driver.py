@@ -1,8 +1,9 @@
-"""Driver side of a training stage: start (or join) Ray, run ``TorchTrainer``, collect the result.
+"""Driver side of a training stage: plan the run, start (or join) Ray, run ``TorchTrainer``.
 
 The Ray run name is a hash of everything that defines the run (stage params, model config, data,
-initial weights), so re-running an interrupted stage continues the same run from its last
-checkpoint while changed params start a fresh one.
+initial weights, world size), so re-running an interrupted stage continues the same Ray run from
+its last checkpoint (Ray Train V2 restores a run launched again with the same name and storage
+path), while changed params start a fresh one.
 """
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ from pipeline.data import read_dataset_info
 from pipeline.model import VisionTransformer
 from pipeline.utils import atomic_write_text
 
-log = logging.getLogger(__name__)
+
+@dataclass
+class TrainPlan:
+    stage: str
+    run_name: str
+    loop_cfg: dict
+    init_state: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -37,17 +44,43 @@ def worker_batch(global_batch: int, world: int) -> int:
     return global_batch // world
 
 
-def _run_name(stage: str, payload: dict) -> str:
-    digest = hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-    return f"{stage}-{digest[:12]}"
-
-
 def _state_digest(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for k in sorted(state):
         h.update(k.encode())
         h.update(state[k].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def storage_path(params: Params) -> str:
+    path = params.ray.storage_path or ".ray_results"
+    return path if "://" in path else str(Path(path).resolve())
+
+
+def plan_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
+                  shard_dir: str) -> TrainPlan:
+    """Everything the workers need, and the run name that identifies this exact run."""
+    info = read_dataset_info(shard_dir)
+    world = params.ray.num_workers
+    per_worker = worker_batch(cfg.global_batch_size, world)
+    steps = max(1, info["counts"]["train"] // cfg.global_batch_size)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    loop_cfg = {
+        "stage": stage, "model": model.config.to_dict(), "shard_dir": str(Path(shard_dir).resolve()),
+        "image_size": cfg.image_size, "epochs": cfg.epochs, "steps_per_epoch": steps,
+        "per_worker_batch": per_worker, "max_worker_batch": cfg.max_worker_batch, "lr": cfg.lr,
+        "min_lr": cfg.min_lr, "weight_decay": cfg.weight_decay, "layer_decay": cfg.layer_decay,
+        "warmup_steps": int(round(cfg.warmup_epochs * steps)), "label_smoothing": cfg.label_smoothing,
+        "grad_clip": cfg.grad_clip, "seed": cfg.seed, "eval_every": cfg.eval_every,
+        "augment": dict(cfg.augment), "mixup_alpha": cfg.mixup_alpha, "cutmix_alpha": cfg.cutmix_alpha,
+        "ema_decay": cfg.ema_decay, "amp": cfg.amp, "checkpoint_every_steps": cfg.checkpoint_every_steps,
+        "log_every_steps": cfg.log_every_steps,
+    }
+    identity = {**loop_cfg, "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
+                "init": _state_digest(state)}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+    loop_cfg["verbose"] = params.ray.verbose
+    return TrainPlan(stage=stage, run_name=f"{stage}-{digest[:12]}", loop_cfg=loop_cfg, init_state=state)
 
 
 def init_ray(params: Params) -> None:
@@ -71,56 +104,54 @@ def init_ray(params: Params) -> None:
                  dashboard_host="127.0.0.1", **kwargs)
 
 
-def run_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer, shard_dir: str,
-                 *, run_id: str | None = None) -> TrainResult:
-    """Train ``model`` (its current weights are the starting point) on the ``train`` split."""
+def _fault_from_env() -> dict | None:
+    """``VIT_FAULT=kill@12:/tmp/marker`` (or ``raise@…``): fail once at step 12 (tests only)."""
+    spec = os.environ.get("VIT_FAULT")
+    if not spec:
+        return None
+    mode, rest = spec.split("@", 1)
+    step, marker = rest.split(":", 1)
+    return {"mode": mode, "step": int(step), "marker": marker}
+
+
+def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: str | None = None) -> TrainResult:
+    """Run (or continue) the planned Ray Train run; load its final weights into ``model``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from pipeline.tracking import resolve_tracking_uri
-    from pipeline.train.worker import STATE_FILE, train_loop_per_worker
+    from pipeline.train.checkpoint import load_state
+    from pipeline.train.worker import train_loop_per_worker
 
-    info = read_dataset_info(shard_dir)
-    world = params.ray.num_workers
-    per_worker = worker_batch(cfg.global_batch_size, world)
-    steps = max(1, info["counts"]["train"] // cfg.global_batch_size)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    loop_cfg = {
-        "stage": stage, "model": model.config.to_dict(), "shard_dir": str(Path(shard_dir).resolve()),
-        "image_size": cfg.image_size, "epochs": cfg.epochs, "steps_per_epoch": steps,
-        "per_worker_batch": per_worker, "lr": cfg.lr, "min_lr": cfg.min_lr,
-        "weight_decay": cfg.weight_decay, "warmup_steps": int(round(cfg.warmup_epochs * steps)),
-        "label_smoothing": cfg.label_smoothing, "grad_clip": cfg.grad_clip, "seed": cfg.seed,
-        "eval_every": cfg.eval_every, "augment": dict(cfg.augment), "verbose": params.ray.verbose,
-    }
-    run_name = _run_name(stage, {**loop_cfg, "world": world, "data": info.get("shards"),
-                                 "init": _state_digest(state)})
     init_ray(params)
-    loop_cfg.update(init_ref=ray.put(state), run_id=run_id,
-                    tracking_uri=resolve_tracking_uri(params.tracking_uri))
-    storage = str(Path(params.ray.storage_path or ".ray_results").resolve()) \
-        if "://" not in (params.ray.storage_path or "") else params.ray.storage_path
-    print(f"[{stage}] Ray Train: {world} worker(s), global batch {cfg.global_batch_size} "
-          f"({per_worker}/worker), {steps} steps/epoch x {cfg.epochs} epochs, run {run_name}", flush=True)
+    cfg = plan.loop_cfg
+    loop_cfg = {**cfg, "init_ref": ray.put(plan.init_state), "run_id": run_id, "fault": _fault_from_env(),
+                "tracking_uri": resolve_tracking_uri(params.tracking_uri)}
+    world = params.ray.num_workers
+    print(f"[{plan.stage}] Ray Train: {world} worker(s), global batch {cfg['per_worker_batch'] * world} "
+          f"({cfg['per_worker_batch']}/worker), {cfg['steps_per_epoch']} steps/epoch x {cfg['epochs']} epochs, "
+          f"run {plan.run_name}", flush=True)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_cfg,
         scaling_config=ScalingConfig(num_workers=world, use_gpu=params.ray.use_gpu,
                                      resources_per_worker=_resources(params)),
         run_config=RunConfig(
-            name=run_name, storage_path=storage,
+            name=plan.run_name, storage_path=storage_path(params),
             checkpoint_config=CheckpointConfig(num_to_keep=params.ray.checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=params.ray.max_failures),
             logging_config=LoggingConfig(log_level="INFO" if params.ray.verbose else "WARNING")),
     )
     result = trainer.fit()
     if result.checkpoint is None:
-        raise RuntimeError(f"[{stage}] Ray run {run_name} finished without a checkpoint")
-    with result.checkpoint.as_directory() as d:
-        final = torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=False)
-    model.load_state_dict(final["model"])
-    return TrainResult(model=model, history=final["history"], run_name=run_name,
+        raise RuntimeError(f"[{plan.stage}] Ray run {plan.run_name} finished without a checkpoint")
+    final = load_state(result.checkpoint)
+    weights = final["model"]
+    if final.get("ema"):  # the EMA weights are the ones to keep when EMA is on
+        weights = {k[len("module."):]: v for k, v in final["ema"].items() if k.startswith("module.")}
+    model.load_state_dict(weights)
+    return TrainResult(model=model, history=final["history"], run_name=plan.run_name,
                        checkpoint_path=str(result.checkpoint.path))
 
 
@@ -136,4 +167,3 @@ def write_history(history: list[dict], csv_path: str | Path) -> None:
     keys = sorted({k for row in history for k in row}, key=lambda k: (k != "epoch", k))
     lines = [",".join(keys)] + [",".join(str(row.get(k, "")) for k in keys) for row in history]
     atomic_write_text(csv_path, "\n".join(lines) + "\n")
-

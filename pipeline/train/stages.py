@@ -9,8 +9,9 @@ import torch
 from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.model import VisionTransformer, build_vit, convert_state_dict, load_model, save_model
-from pipeline.tracking import stage_run
-from pipeline.train.driver import run_training, write_history
+from pipeline.plots import plot_history
+from pipeline.tracking import file_hash, stage_run
+from pipeline.train.driver import fit, plan_training, write_history
 from pipeline.utils import METRICS, MODELS, PLOTS, SHARDS, atomic_write_json
 
 
@@ -24,10 +25,11 @@ def _extra_params(params: Params, cfg: TrainConfig, model: VisionTransformer, in
 
 def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
                     shard_dir: Path, info: dict, extra: dict) -> dict:
-    tags = {"dataset.manifest": info.get("manifest_sha256", ""), "run_name": stage}
+    tags = {"dataset.manifest": file_hash(shard_dir / "manifest.parquet"), "dataset.source": info["source"]}
+    plan = plan_training(stage, params, cfg, model, str(shard_dir))
     with stage_run(stage, params, extra_params={**_extra_params(params, cfg, model, info), **extra},
-                   tags=tags) as run:
-        result = run_training(stage, params, cfg, model, str(shard_dir), run_id=run.info.run_id)
+                   tags=tags, resume_key=plan.run_name, system_metrics=True) as run:
+        result = fit(plan, params, model, run_id=run.info.run_id)
         final = result.history[-1]
         summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "step") if k in final}
         out_dir = MODELS / stage
@@ -37,8 +39,9 @@ def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionT
         save_model(result.model, out_dir, extra=meta)
         atomic_write_json(METRICS / f"{stage}.json", summary)
         write_history(result.history, PLOTS / f"{stage}_history.csv")
-        mlflow.set_tag("ray.run_name", result.run_name)
-        for path in (METRICS / f"{stage}.json", PLOTS / f"{stage}_history.csv", out_dir / "config.json"):
+        plot_history({stage: result.history}, PLOTS / f"{stage}_curves.png")
+        for path in (METRICS / f"{stage}.json", PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png",
+                     out_dir / "config.json"):
             mlflow.log_artifact(str(path))
     print(f"[{stage}] done: val top-1 {summary.get('val_top1', float('nan')):.4f} -> {out_dir}/", flush=True)
     return summary

@@ -1,0 +1,85 @@
+"""Full-state training checkpoints, as reported to Ray Train and restored after a failure or restart.
+
+A checkpoint holds everything needed to continue bit-for-bit where the run stopped: weights
+(without DDP's ``module.`` prefix), optimizer, scheduler, grad scaler, EMA, position in the run
+(epoch, batch within the epoch, optimizer step), per-rank RNG states, history and configs.
+"""
+from __future__ import annotations
+
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray.train
+import torch
+import torch.distributed as dist
+
+STATE_FILE = "state.pt"
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def gather_rng_states() -> list[dict]:
+    """Every rank's RNG state, gathered so rank 0 can store them all."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [rng_state()]
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+@dataclass
+class Progress:
+    epoch: int = 0            # completed epochs
+    batch_in_epoch: int = 0   # batches done in the current (incomplete) epoch
+    step: int = 0             # optimizer steps done
+    history: list = field(default_factory=list)
+
+
+def save_and_report(metrics: dict, *, rank: int, objects: dict, progress: Progress, extra: dict) -> None:
+    """All ranks call this (Ray Train wants a report from each); rank 0 attaches the checkpoint."""
+    rngs = gather_rng_states()
+    if rank != 0:
+        ray.train.report(metrics, checkpoint=None)
+        return
+    state = {name: obj.state_dict() for name, obj in objects.items() if obj is not None}
+    state["model"] = unwrap(objects["model"]).state_dict()
+    state.update(epoch=progress.epoch, batch_in_epoch=progress.batch_in_epoch, step=progress.step,
+                 history=progress.history, rng=rngs, **extra)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(state, Path(tmp) / STATE_FILE)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def load_state(checkpoint) -> dict:
+    with checkpoint.as_directory() as d:
+        return torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def restore(objects: dict, *, rank: int) -> Progress | None:
+    """Load the latest reported checkpoint into ``objects``; None when the run starts fresh."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    state = load_state(checkpoint)
+    unwrap(objects["model"]).load_state_dict(state["model"])
+    for name, obj in objects.items():
+        if name != "model" and obj is not None and name in state:
+            obj.load_state_dict(state[name])
+    rngs = state["rng"]
+    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+    return Progress(state["epoch"], state["batch_in_epoch"], state["step"], state["history"])

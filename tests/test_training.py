@@ -1,0 +1,148 @@
+"""Training that survives failures: real Ray Train runs (2 workers) with injected faults, resume, MLflow."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from pipeline.train.optim import accumulation, param_groups
+from tests.test_pipeline import make_repo, run
+
+pytestmark = pytest.mark.slow
+STEPS_PER_EPOCH = 1257 // 64  # digits train split / global batch
+
+
+def short_run(raw: dict) -> dict:
+    raw["model"].update(depth=2)
+    raw["pretrain"].update(epochs=2, warmup_epochs=0, checkpoint_every_steps=5, log_every_steps=5)
+    raw["ray"].update(max_failures=0)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    repo = make_repo(tmp_path_factory.mktemp("train-repo"), edit=short_run)
+    proc = run(["python", "-m", "stages.shard", "pretrain"], repo)
+    assert proc.returncode == 0, proc.stderr
+    return repo
+
+
+def set_params(repo, **updates):
+    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    for dotted, value in updates.items():
+        section, key = dotted.split(".")
+        raw[section][key] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def pretrain_runs(repo):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    exp = client.get_experiment_by_name("vit-pipeline")
+    return client, client.search_runs([exp.experiment_id], "tags.stage = 'pretrain'")
+
+
+def final_state(repo):
+    history = (repo / "plots/pretrain_history.csv").read_text().splitlines()
+    header = history[0].split(",")
+    rows = [dict(zip(header, line.split(","))) for line in history[1:]]
+    return rows, json.loads((repo / "metrics/pretrain.json").read_text())
+
+
+def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, tmp_path, monkeypatch):
+    # 1. A run that dies at step 12 with no retries left: the stage fails, MLflow marks the run FAILED.
+    monkeypatch.setenv("VIT_FAULT", f"raise@12:{tmp_path / 'fault-a'}")
+    proc = run(["python", "-m", "stages.pretrain"], repo)
+    assert proc.returncode != 0 and (tmp_path / "fault-a").exists()
+    client, runs = pretrain_runs(repo)
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"
+    first_id = runs[0].info.run_id
+
+    # 2. Re-running the stage (as an interrupted `dvc repro` re-run would) continues the same Ray run
+    #    from its step-10 checkpoint and logs into the same MLflow run.
+    proc = run(["python", "-m", "stages.pretrain"], repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from checkpoint: epoch 0, batch 10, step 10" in proc.stdout
+    client, runs = pretrain_runs(repo)
+    assert [r.info.run_id for r in runs] == [first_id] and runs[0].info.status == "FINISHED"
+    rows, summary = final_state(repo)
+    assert [int(r["epoch"]) for r in rows] == [1, 2]
+    assert summary["step"] == 2 * STEPS_PER_EPOCH  # same total optimizer steps as an uninterrupted run
+    steps_logged = [m.step for m in client.get_metric_history(first_id, "train_loss")]
+    assert steps_logged == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+
+    # 3. Changed params → a new Ray run and a new MLflow run; a worker process is SIGKILLed mid-epoch
+    #    and Ray Train restarts the worker group from the last checkpoint (max_failures=1).
+    set_params(repo, **{"pretrain.lr": 0.0015, "ray.max_failures": 1})
+    monkeypatch.setenv("VIT_FAULT", f"kill@7:{tmp_path / 'fault-b'}")
+    proc = run(["python", "-m", "stages.pretrain"], repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "fault-b").exists()
+    assert "resumed from checkpoint: epoch 0, batch 5, step 5" in proc.stdout
+    client, runs = pretrain_runs(repo)
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    new = next(r for r in runs if r.info.run_id != first_id)
+    assert new.data.params["pretrain.lr"] == "0.0015"
+    assert len({r.data.tags["ray.run_name"] for r in runs}) == 2
+    rows, summary = final_state(repo)
+    assert summary["step"] == 2 * STEPS_PER_EPOCH and len(rows) == 2
+    # MLflow contents of the recovered run: params, per-epoch and per-step metrics, tags, system metrics
+    p, m, t = new.data.params, new.data.metrics, new.data.tags
+    for key in ("model.preset", "model.patch_size", "image_size", "world_size", "global_batch_size",
+                "pretrain.label_smoothing"):
+        assert key in p, key
+    assert p["world_size"] == "2" and p["global_batch_size"] == "64"
+    for key in ("train_loss", "train_top1", "val_top1", "lr", "images_per_s", "epoch_time_s", "train_loss_step"):
+        assert key in m, key
+    for key in ("stage", "git.commit", "git.dirty", "dvc.lock", "dataset.manifest", "pipeline.id"):
+        assert key in t, key
+    assert any(k.startswith("system/") for k in m)
+    artifacts = {a.path for a in client.list_artifacts(new.info.run_id)}
+    assert {"pretrain.json", "pretrain_history.csv", "pretrain_curves.png", "config.json"} <= artifacts
+
+
+def test_unreachable_tracking_server_fails_fast(repo, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "MLFLOW_TRACKING_URI=http://127.0.0.1:9 is not reachable" in proc.stderr
+    assert "mlflow server" in proc.stderr and "Ray Train" not in proc.stdout
+
+
+def test_accumulation_arithmetic():
+    assert accumulation(32, None) == (32, 1)
+    assert accumulation(32, 32) == (32, 1)
+    assert accumulation(32, 16) == (16, 2)
+    assert accumulation(32, 10) == (8, 4)  # smallest accumulation whose micro batch fits and divides
+    assert accumulation(30, 7) == (6, 5)
+    with pytest.raises(ValueError):
+        from pipeline.train.driver import worker_batch
+        worker_batch(100, 3)
+
+
+def test_param_groups_exclude_norms_biases_embeddings_and_layer_decay():
+    from pipeline.model import build_vit
+
+    model = build_vit("nano", patch_size=4, image_size=16, num_classes=10, depth=2)
+    groups = param_groups(model, 0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {names[id(p)] for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert {"pos_embed", "cls_token", "norm.weight", "head.bias"} <= no_decay
+    assert "head.weight" not in no_decay and "blocks.0.attn.qkv.weight" not in no_decay
+    ld = param_groups(model, 0.05, layer_decay=0.5)
+    scale = {names[id(p)]: g["lr_scale"] for g in ld for p in g["params"]}
+    block1 = [v for k, v in scale.items() if k.startswith("blocks.1.")]
+    assert scale["head.weight"] == 1.0 and block1 and all(v == 0.5 for v in block1)
+    assert scale["patch_embed.proj.weight"] == pytest.approx(0.125)
+    assert sum(len(g["params"]) for g in ld) == len(list(model.parameters()))
+    assert torch.isfinite(torch.tensor([g["lr_scale"] for g in ld])).all()
