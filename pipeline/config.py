@@ -128,6 +128,7 @@ class ExportConfig:
     num_images: int = 64
     max_abs_diff: float = 1e-4
     min_top1_agreement: float = 1.0
+    registered_model_name: str = "vit-pipeline"
 
 
 @dataclass

@@ -1,15 +1,20 @@
-"""The evaluate stage: test-split metrics, confusion matrix and a resolution sweep."""
+"""The evaluate stage: test metrics over Ray workers (each sample exactly once), per-class scores,
+confusion matrix, a resolution sweep, and the pictures: curves, confusion matrix, attention maps."""
 from __future__ import annotations
 
 import copy
+import csv
+from pathlib import Path
 
 import mlflow
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.config import Params
 from pipeline.data import make_eval_loader, read_dataset_info
-from pipeline.model import VisionTransformer, load_model
+from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
+from pipeline.model import ViTConfig, VisionTransformer, attention_maps, load_model
+from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.tracking import stage_run
 from pipeline.utils import METRICS, MODELS, PLOTS, SHARDS, atomic_write_json, atomic_write_text
 
@@ -17,7 +22,7 @@ from pipeline.utils import METRICS, MODELS, PLOTS, SHARDS, atomic_write_json, at
 @torch.no_grad()
 def predict_split(model: VisionTransformer, shard_dir, split: str, *, image_size: int, batch_size: int,
                   normalize: dict, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and labels for every sample of ``split`` this rank is responsible for."""
+    """Logits and labels for the samples of ``split`` that ``rank`` is responsible for."""
     model.eval()
     logits, labels = [], []
     for images, y in make_eval_loader(shard_dir, split, batch_size=batch_size, image_size=image_size,
@@ -29,55 +34,111 @@ def predict_split(model: VisionTransformer, shard_dir, split: str, *, image_size
     return torch.cat(logits), torch.cat(labels)
 
 
-def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    k = min(5, logits.shape[1])
-    topk = logits.topk(k, dim=1).indices
-    return {"top1": (topk[:, 0] == labels).float().mean().item(),
-            "top5": (topk == labels[:, None]).any(1).float().mean().item(),
-            "loss": F.cross_entropy(logits, labels).item(), "num_samples": int(labels.numel())}
+def _predict_rank(state: dict, config: dict, shard_dir: str, split: str, kwargs: dict, rank: int, world: int):
+    model = VisionTransformer(ViTConfig.from_dict(config))
+    model.load_state_dict(state)
+    return predict_split(model, shard_dir, split, rank=rank, world_size=world, **kwargs)
 
 
-def resolution_sweep(model: VisionTransformer, shard_dir, resolutions: list[int], *, mode: str,
-                     antialias: bool, batch_size: int, normalize: dict) -> dict[str, float]:
-    """Top-1 at each resolution, position embeddings resampled with the configured interpolation."""
+def distributed_predict(model: VisionTransformer, shard_dir, split: str, params: Params, *, image_size: int,
+                        normalize: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``split`` over ``ray.num_workers`` Ray tasks (the eval loader's exact-once split)."""
+    import ray
+
+    world = params.ray.num_workers
+    kwargs = {"image_size": image_size, "batch_size": params.evaluate.batch_size, "normalize": normalize}
+    state = ray.put({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    task = ray.remote(_predict_rank).options(num_cpus=params.ray.cpus_per_worker,
+                                             num_gpus=params.ray.gpus_per_worker if params.ray.use_gpu else 0)
+    parts = ray.get([task.remote(state, model.config.to_dict(), str(Path(shard_dir).resolve()), split, kwargs,
+                                 rank, world) for rank in range(world)])
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def check_exactly_once(labels: torch.Tensor, info: dict, split: str) -> None:
+    """The evaluated labels must match dataset.json's per-class counts of the split."""
+    expected = info.get("class_counts", {}).get(split)
+    got = np.bincount(labels.numpy(), minlength=len(info["classes"])).tolist()
+    if labels.numel() != info["counts"][split] or (expected is not None and got != list(expected)):
+        raise RuntimeError(f"evaluated {labels.numel()} {split} samples (per class {got}); dataset.json says "
+                           f"{info['counts'][split]} (per class {expected})")
+
+
+def resolution_sweep(model: VisionTransformer, shard_dir, params: Params, normalize: dict) -> dict[str, float]:
+    """Top-1 at each ``evaluate.resolutions`` entry, position embeddings resampled as configured."""
+    interp = params.finetune.interpolation
     out = {}
-    for res in resolutions:
+    for res in params.evaluate.resolutions:
         m = copy.deepcopy(model)
-        m.set_input_size(image_size=res, mode=mode, antialias=antialias)
-        logits, labels = predict_split(m, shard_dir, "test", image_size=res, batch_size=batch_size,
-                                       normalize=normalize)
+        m.set_input_size(image_size=res, mode=interp.mode, antialias=interp.antialias)
+        logits, labels = distributed_predict(m, shard_dir, "test", params, image_size=res, normalize=normalize)
         out[str(res)] = (logits.argmax(1) == labels).float().mean().item()
     return out
 
 
+def _read_history(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path, n: int = 8) -> None:
+    """Attention rollout of the first ``n`` test images, overlaid on the images."""
+    normalize = meta["normalize"]
+    images, labels = next(iter(make_eval_loader(shard_dir, "test", batch_size=n, image_size=meta["image_size"],
+                                                rank=0, world_size=1, augment=normalize)))
+    model.eval()
+    with torch.no_grad():
+        preds = model(images).argmax(1)
+        relevance = attention_rollout(attention_maps(model, images))
+    gh, gw = model.config.grid_size
+    maps = relevance.reshape(-1, gh, gw)
+    maps = (maps - maps.amin((1, 2), keepdim=True)) / (maps.amax((1, 2), keepdim=True) - maps.amin((1, 2), keepdim=True) + 1e-8)
+    mean, std = torch.tensor(normalize["mean"])[:, None, None], torch.tensor(normalize["std"])[:, None, None]
+    pics = (images * std + mean).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    classes = meta["classes"]
+    titles = [f"{classes[y]}→{classes[p]}" for y, p in zip(labels.tolist(), preds.tolist())]
+    plot_attention(pics, maps.numpy(), titles, path)
+
+
 def evaluate(params: Params) -> dict:
+    from pipeline.train.driver import init_ray
+
     shard_dir = SHARDS / "finetune"
     info = read_dataset_info(shard_dir)
     model, meta = load_model(MODELS / "finetune")
-    size, normalize = meta["image_size"], meta["normalize"]
-    classes = meta["classes"]
-    with stage_run("evaluate", params, extra_params={"model_size": params.model.preset,
+    size, normalize, classes = meta["image_size"], meta["normalize"], meta["classes"]
+    with stage_run("evaluate", params, extra_params={"model_size": params.model.preset, "image_size": size,
                                                      "patch_size": model.config.patch_size[0],
-                                                     "image_size": size}):
-        logits, labels = predict_split(model, shard_dir, "test", image_size=size,
-                                       batch_size=params.evaluate.batch_size, normalize=normalize)
+                                                     "world_size": params.ray.num_workers}):
+        init_ray(params)
+        logits, labels = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
+        check_exactly_once(labels, info, "test")
         metrics = classification_metrics(logits, labels)
-        interp = params.finetune.interpolation
-        sweep = resolution_sweep(model, shard_dir, params.evaluate.resolutions, mode=interp.mode,
-                                 antialias=interp.antialias, batch_size=params.evaluate.batch_size,
-                                 normalize=normalize)
-        metrics["resolution_sweep"] = sweep
         preds = logits.argmax(1)
+        matrix = confusion_matrix(preds, labels, len(classes))
+        scores = per_class(matrix, classes)
+        for k in ("precision", "recall", "f1"):
+            metrics[f"macro_{k}"] = float(np.mean([s[k] for s in scores]))
+        metrics["resolution_sweep"] = resolution_sweep(model, shard_dir, params, normalize)
+
         rows = ["actual,predicted"] + [f"{classes[a]},{classes[p]}" for a, p in zip(labels.tolist(), preds.tolist())]
         atomic_write_text(PLOTS / "confusion.csv", "\n".join(rows) + "\n")
+        atomic_write_text(PLOTS / "per_class.csv", "class,precision,recall,f1,support\n" + "".join(
+            f"{s['class']},{s['precision']:.6f},{s['recall']:.6f},{s['f1']:.6f},{s['support']}\n" for s in scores))
+        plot_confusion(matrix, classes, PLOTS / "confusion.png")
+        histories = {s: _read_history(PLOTS / f"{s}_history.csv") for s in ("pretrain", "finetune")}
+        plot_history({s: h for s, h in histories.items() if h}, PLOTS / "curves.png")
+        attention_figure(model, shard_dir, meta, PLOTS / "attention.png")
         atomic_write_json(METRICS / "evaluate.json", metrics)
+
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-        mlflow.log_metrics({f"top1_at_{r}px": v for r, v in sweep.items()})
+        mlflow.log_metrics({f"top1_at_{r}px": v for r, v in metrics["resolution_sweep"].items()})
+        for name in ("confusion.csv", "per_class.csv", "confusion.png", "curves.png", "attention.png"):
+            mlflow.log_artifact(str(PLOTS / name))
         mlflow.log_artifact(str(METRICS / "evaluate.json"))
-        mlflow.log_artifact(str(PLOTS / "confusion.csv"))
-    expected = info["counts"]["test"]
-    if metrics["num_samples"] != expected:
-        raise RuntimeError(f"evaluated {metrics['num_samples']} test samples, dataset.json says {expected}")
-    print(f"[evaluate] test top-1 {metrics['top1']:.4f} top-5 {metrics.get('top5', float('nan')):.4f} "
-          f"loss {metrics['loss']:.4f} on {metrics['num_samples']} images; sweep {sweep}", flush=True)
+    print(f"[evaluate] test top-1 {metrics['top1']:.4f}, top-5 {metrics['top5']:.4f}, loss {metrics['loss']:.4f} "
+          f"on {metrics['num_samples']} images ({params.ray.num_workers} workers); top-1 by resolution "
+          f"{ {r: round(v, 4) for r, v in metrics['resolution_sweep'].items()} }; pictures in {PLOTS}/", flush=True)
     return metrics

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 import tempfile
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def sample_images(shard_dir, n: int, image_size: int, normalize: dict) -> torch.
 
 
 def export_torchscript(model: VisionTransformer, example: torch.Tensor, path: Path) -> None:
-    traced = torch.jit.trace(model, example[:2], check_trace=False)
+    with warnings.catch_warnings():  # shape checks become constants: intended, the size is fixed
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(model, example[:2], check_trace=False)
     traced.save(str(path))
 
 
@@ -45,6 +48,17 @@ def _compare(reference: torch.Tensor, other: np.ndarray | torch.Tensor) -> dict[
     other = torch.as_tensor(np.asarray(other))
     return {"max_abs_diff": (reference - other).abs().max().item(),
             "top1_agreement": (reference.argmax(1) == other.argmax(1)).float().mean().item()}
+
+
+def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: torch.Tensor, name: str) -> dict:
+    """Log the model (pyfunc-servable, with signature and input example) and register a new version."""
+    from mlflow.models import infer_signature
+
+    signature = infer_signature(images[:4].numpy(), logits[:4].numpy())
+    info = mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=images[:2].numpy(),
+                                    registered_model_name=name, code_paths=["pipeline"])
+    return {"name": name, "version": int(info.registered_model_version), "uri": f"models:/{name}/"
+            f"{info.registered_model_version}"}
 
 
 def export(params: Params) -> dict:
@@ -87,6 +101,7 @@ def export(params: Params) -> dict:
             if EXPORTS.exists():
                 shutil.rmtree(EXPORTS)
             tmp.rename(EXPORTS)
+            report["registered_model"] = log_and_register(model, images, reference, cfg.registered_model_name)
             atomic_write_json(METRICS / "export.json", report)
             mlflow.log_artifacts(str(EXPORTS), artifact_path="exports")
     finally:
@@ -94,5 +109,6 @@ def export(params: Params) -> dict:
     for fmt, r in results.items():
         print(f"[export] {fmt}: max |logit diff| {r['max_abs_diff']:.2e}, top-1 agreement "
               f"{r['top1_agreement']:.3f}", flush=True)
-    print(f"[export] wrote {', '.join(sorted(p.name for p in EXPORTS.iterdir()))} to {EXPORTS}/", flush=True)
+    print(f"[export] wrote {', '.join(sorted(p.name for p in EXPORTS.iterdir()))} to {EXPORTS}/; registered "
+          f"{report['registered_model']['uri']}", flush=True)
     return report

@@ -73,3 +73,20 @@ def test_worker_batch_and_schedule():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # cosine decays monotonically
     assert lrs[-1] == pytest.approx(1e-2, abs=2e-3)  # ends near min_lr / base_lr
+
+
+def test_cifar10_recipe_expands_to_valid_overrides(tmp_path):
+    import shlex
+
+    from pipeline.recipes import main, recipe_overrides
+
+    flat = recipe_overrides(str(ROOT / "configs/cifar10.yaml"), ["data.pretrain.root=/x y/cifar"])
+    assert flat["data.pretrain.root"] == "/x y/cifar" and flat["model.patch_size"] == 4
+    assert flat["pretrain.augment"]["auto_augment"] == "randaugment"  # a dict param stays whole
+    p = load_params(ROOT / "params.yaml", overrides=flat)
+    assert p.pretrain.mixup_alpha > 0 and p.pretrain.ema_decay and p.ray.use_gpu
+    proc = subprocess.run([sys.executable, "-m", "pipeline.recipes", str(ROOT / "configs/cifar10.yaml"),
+                           "--set", "data.pretrain.root=/x y/cifar"], cwd=ROOT, capture_output=True, text=True)
+    args = shlex.split(proc.stdout)  # what xargs hands to `dvc exp run`
+    assert proc.returncode == 0 and args[0] == "-S" and "data.pretrain.root=\"/x y/cifar\"" in args
+    assert main([str(ROOT / "configs/cifar10.yaml"), "--set", "model.num_heads=5"]) == 2

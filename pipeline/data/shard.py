@@ -26,7 +26,7 @@ from .sources import SOURCES, build_plan
 from .splits import SPLITS, Record, check_fractions
 
 FORMAT_VERSION = 1
-KEEP_FORMATS = {"JPEG": "jpg", "PNG": "png"}  # kept byte-for-byte; anything else becomes PNG
+KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}  # kept byte-for-byte; anything else becomes PNG
 MANIFEST_SCHEMA = pa.schema([("key", pa.string()), ("split", pa.string()), ("shard", pa.string()),
                              ("label", pa.int64()), ("source_path", pa.string()), ("bytes", pa.int64())])
 TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
@@ -38,7 +38,7 @@ class BadImage(Exception):
 
 def _encode(img: Image.Image, fmt: str) -> bytes:
     buf = io.BytesIO()
-    if fmt == "JPEG":
+    if KEEP_FORMATS.get(fmt) == "jpg":
         img.save(buf, "JPEG", quality=95)
     else:
         img.save(buf, "PNG")

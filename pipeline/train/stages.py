@@ -64,6 +64,11 @@ def load_finetune_start(params: Params, num_classes: int) -> VisionTransformer:
     ft = params.finetune
     if ft.init is None:
         model, _ = load_model(MODELS / "pretrain")
+    elif ft.init == "scratch":  # ablation: the same fine-tune without pretraining
+        torch.manual_seed(ft.seed)
+        model = build_vit(params.model.preset, patch_size=params.model.patch_size,
+                          image_size=params.pretrain.image_size, num_classes=num_classes, pool=params.model.pool,
+                          drop_path_rate=params.model.drop_path_rate, **params.model.overrides())
     else:
         model = _load_external(params, Path(ft.init))
     torch.manual_seed(ft.seed)

@@ -127,6 +127,7 @@ def train_loop_per_worker(cfg: dict) -> None:
             if mixer is not None:
                 images, targets = mixer(images, labels)
             optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
             for i in range(accum):
                 sl = slice(i * micro, (i + 1) * micro)
                 sync = model.no_sync() if (accum > 1 and i < accum - 1 and hasattr(model, "no_sync")) \
@@ -135,6 +136,7 @@ def train_loop_per_worker(cfg: dict) -> None:
                     logits = model(images[sl]).float()
                     loss = soft_cross_entropy(logits, targets[sl], cfg["label_smoothing"])
                 scaler.scale(loss / accum).backward()
+                step_loss += loss.item() / accum
                 loss_sum += loss.item() * logits.shape[0]
                 correct += (logits.argmax(-1) == labels[sl]).sum().item()
             if cfg["grad_clip"]:
@@ -148,9 +150,12 @@ def train_loop_per_worker(cfg: dict) -> None:
             seen += labels.numel()
             progress.step += 1
             progress.batch_in_epoch = b + 1
-            if logger and progress.step % cfg["log_every_steps"] == 0:
-                logger.log_metrics({"train_loss_step": loss.item(), "lr_step": scheduler.get_last_lr()[0]},
-                                   step=progress.step)
+            if progress.step % cfg["log_every_steps"] == 0 or progress.step == 1:
+                # mean over the global batch: every rank joins the all-reduce, rank 0 logs it
+                global_loss = _all_reduce([step_loss], device)[0] / world
+                if logger:
+                    logger.log_metrics({"train_loss_step": global_loss, "lr_step": scheduler.get_last_lr()[0]},
+                                       step=progress.step)
             every = cfg.get("checkpoint_every_steps")
             if every and progress.step % every == 0 and progress.batch_in_epoch < steps:
                 save_and_report({"step": progress.step, "epoch": epoch}, rank=rank, objects=objects,

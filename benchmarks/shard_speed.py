@@ -1,0 +1,61 @@
+"""Shard-stage throughput (images/s) and peak RSS on the CIFAR-10 train set (50k JPEGs).
+
+Peak RSS is reported next to the RSS after imports: torch (pulled in by webdataset) dominates it,
+and the difference is what sharding itself holds.
+
+    python benchmarks/shard_speed.py [--source imagefolder|fractals] [--out /tmp/c10-shard-bench]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.data import shard_dataset  # noqa: E402
+
+TGZ = ROOT.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=Path("/tmp/cifar10"))
+    ap.add_argument("--out", type=Path, default=Path("/tmp/cifar10-shard-bench"))
+    ap.add_argument("--source", default="imagefolder", choices=["imagefolder", "fractals"])
+    ap.add_argument("--maxcount", type=int, default=5000)
+    args = ap.parse_args()
+    if args.source == "imagefolder" and not (args.data / "train").is_dir():
+        args.data.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(TGZ) as tf:
+            tf.extractall(args.data, filter="data")
+    base = rss_mb()
+    c0, t0 = os.times(), time.perf_counter()
+    if args.source == "imagefolder":
+        info = shard_dataset(args.out, source="imagefolder", root=args.data / "train", maxcount=args.maxcount)
+    else:
+        info = shard_dataset(args.out, source="fractals", num_classes=100, samples_per_class=50,
+                             image_size=32, maxcount=args.maxcount)
+    wall = time.perf_counter() - t0
+    c1 = os.times()
+    n = sum(info["counts"].values())
+    cpu = (c1.user - c0.user) + (c1.system - c0.system)
+    size = sum(p.stat().st_size for p in args.out.glob("*.tar")) / 1e6
+    print(f"{args.source}: {n} images -> {sum(len(v) for v in info['shards'].values())} shards ({size:.0f} MB) "
+          f"in {wall:.1f} s = {n / wall:.0f} img/s wall, {n / cpu:.0f} img/cpu-s "
+          f"(load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus)")
+    print(f"peak RSS {rss_mb():.0f} MB (after imports {base:.0f} MB; sharding adds {rss_mb() - base:.0f} MB)")
+    print("target: >= 2000 img/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Virtual streams: the world-size invariant sample order of the train loader.
+
+A run has ``S`` virtual streams (``num_streams``), a number fixed independently of the world size
+(the idea of MosaicML Streaming's canonical nodes). Stream ``g`` is a deterministic, endless
+sequence of raw samples that only depends on (shards, S, seed, epoch, g):
+
+* ``#shards >= S``: the epoch's shard permutation (seeded by (seed, epoch)) is dealt round-robin,
+  stream g owns shards ``perm[g], perm[g + S], ...`` and reads them pass after pass, each pass in
+  an order seeded by (seed, epoch, g, pass). Streams read disjoint shards.
+* ``#shards < S``: stream g keeps the samples whose index in the split is congruent to g modulo S,
+  reading all shards in an order seeded by (seed, epoch, pass). The streams of one reader share one
+  read (filtered before decoding), so a reader reads the split once per pass, as a plain
+  rank/worker modulo split would.
+
+Each pass of a stream is shuffled by a buffer of :data:`STREAM_BUFFER` samples seeded by (seed,
+epoch, g, pass) and drained at the end of the pass, so a pass is a permutation of its samples.
+
+Global batch ``b`` (``B`` samples) is chunk ``b`` (``B / S`` samples) of every stream, g = 0..S-1.
+Rank ``r`` of ``W`` owns the streams g with ``g % W == r`` and its batch is their chunks in
+increasing g; a DataLoader worker owns a contiguous block of its rank's streams. So the union over
+ranks of batch b is the same multiset of samples for every W dividing S, and per-sample
+augmentation seeded by :func:`sample_seeds` (seed, epoch, pass, key) makes the pixels identical too.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import zlib
+from collections import deque
+from typing import Iterator, Optional
+
+import webdataset as wds
+
+DEFAULT_STREAMS = 8
+STREAM_BUFFER = 256  # encoded samples per stream (shuffled before decode, so cheap); S/W streams per rank
+_SEED_MASK = (1 << 63) - 1
+
+
+def key_index(key: str) -> int:
+    """Index of a sample in its split (``train_0000123`` -> 123); a crc32 for foreign key formats."""
+    tail = key.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else zlib.crc32(key.encode())
+
+
+def resolve_num_streams(num_streams: Optional[int], *, batch_size: int, world_size: int,
+                        num_workers: int) -> int:
+    """Check (or pick) S for a per-rank ``batch_size`` on ``world_size`` ranks x ``num_workers``.
+
+    S must be a multiple of the reader count ``R = world_size * max(1, num_workers)`` (every
+    reader owns whole streams) and divide the global batch ``B = batch_size * world_size`` (every
+    stream gives B / S samples per step). Default: ``lcm(R, gcd(B, 8))``, i.e. 8 when B is a
+    multiple of 8 and R divides 8; it does not change with W as long as R divides gcd(B, 8), so
+    1, 2, 4 and 8 ranks (x workers) with the same global batch agree. For other layouts pass the
+    same explicit ``num_streams`` (a multiple of every R you use) to each run.
+    """
+    readers = world_size * max(1, num_workers)
+    global_batch = batch_size * world_size
+    if num_streams is None:
+        if global_batch % readers:
+            raise ValueError(f"batch_size={batch_size} per rank is not divisible by num_workers={num_workers}: "
+                             f"every DataLoader worker must produce an equal share of the batch")
+        return math.lcm(readers, math.gcd(global_batch, DEFAULT_STREAMS))
+    if isinstance(num_streams, bool) or not isinstance(num_streams, int) or num_streams < 1:
+        raise ValueError(f"num_streams={num_streams!r} must be a positive integer")
+    if num_streams % readers:
+        raise ValueError(f"num_streams={num_streams} is not divisible by world_size * max(1, num_workers) = "
+                         f"{world_size} * {max(1, num_workers)} = {readers}: every reader must own whole "
+                         f"streams; use a multiple of {readers}")
+    if global_batch % num_streams:
+        raise ValueError(f"global batch batch_size * world_size = {batch_size} * {world_size} = {global_batch} "
+                         f"is not divisible by num_streams={num_streams}: every stream gives "
+                         f"global_batch / num_streams samples per step")
+    return num_streams
+
+
+def reader_streams(num_streams: int, rank: int, world_size: int, worker: int = 0,
+                   num_workers: int = 1) -> list[int]:
+    """Streams (increasing) of one reader: rank r owns g % W == r; worker w a contiguous block of those."""
+    local = list(range(rank, num_streams, world_size))
+    k = len(local) // max(1, num_workers)
+    return local[worker * k:(worker + 1) * k]
+
+
+def stream_shards(urls: list[str], num_streams: int, g: int, *, seed: int, epoch: int) -> tuple[list[str], bool]:
+    """Shards stream g reads this epoch, and whether it filters them by key index modulo S."""
+    perm = list(urls)
+    random.Random(f"{seed}:{epoch}").shuffle(perm)  # same on every rank: rotates ownership per epoch
+    if len(perm) >= num_streams:
+        return perm[g::num_streams], False
+    return perm, True
+
+
+def open_streams(urls: list[str], streams: list[int], num_streams: int, *, seed: int, epoch: int,
+                 buffer: int = STREAM_BUFFER) -> list[Iterator[dict]]:
+    """Endless raw samples (webdataset dicts plus ``__pass__``) of each stream in ``streams``.
+
+    A stream goes pass after pass over its samples; each pass is shuffled on its own (shard order,
+    then a buffer drained at the end of the pass), so a pass is a permutation of the stream's
+    samples: none repeats before all were seen, however small the stream. With fewer shards than
+    streams, the given streams share one read of the shards (each pass in an order seeded by
+    (seed, epoch, pass)), so a reader reads the split once per pass whatever its stream count.
+    """
+    if len(urls) >= num_streams:
+        raws = [_shard_passes(stream_shards(urls, num_streams, g, seed=seed, epoch=epoch)[0], g,
+                              num_streams, f"{seed}:{epoch}:{g}") for g in streams]
+    else:
+        source = _ModuloSource(urls, streams, num_streams, f"{seed}:{epoch}")
+        raws = [source.stream(g) for g in streams]
+    return [_pass_shuffled(raw, buffer, f"{seed}:{epoch}:{g}") for g, raw in zip(streams, raws)]
+
+
+def stream_samples(urls: list[str], g: int, num_streams: int, *, seed: int, epoch: int,
+                   buffer: int = STREAM_BUFFER) -> Iterator[dict]:
+    """Stream g alone (see :func:`open_streams`)."""
+    return open_streams(urls, [g], num_streams, seed=seed, epoch=epoch, buffer=buffer)[0]
+
+
+def _shard_passes(shards: list[str], g: int, num_streams: int, tag: str) -> Iterator[dict]:
+    """Stream g owning ``shards``: every pass reads them all, in an order seeded by (tag, pass)."""
+    n_pass = 0
+    while True:
+        order = list(shards)
+        random.Random(f"{tag}:{n_pass}").shuffle(order)
+        n = 0
+        for sample in wds.tarfile_samples([{"url": u} for u in order]):
+            sample["__pass__"] = n_pass
+            n += 1
+            yield sample
+        if n == 0:
+            raise RuntimeError(f"stream {g} of {num_streams} got no samples from its {len(order)} shard(s)")
+        n_pass += 1
+
+
+class _ModuloSource:
+    """Fewer shards than streams: one endless read of all shards (pass p in an order seeded by
+    (tag, p)), dealt to the wanted streams by key index modulo S, the rest dropped before decoding."""
+
+    def __init__(self, urls: list[str], streams: list[int], num_streams: int, tag: str):
+        self.urls, self.num_streams, self.tag = list(urls), num_streams, tag
+        self.queues: dict[int, deque] = {g: deque() for g in streams}
+        self.source = self._read()
+
+    def _read(self) -> Iterator[tuple[int, dict]]:
+        n_pass = 0
+        while True:
+            order = list(self.urls)
+            random.Random(f"{self.tag}:{n_pass}").shuffle(order)
+            got = dict.fromkeys(self.queues, 0)
+            for sample in wds.tarfile_samples([{"url": u} for u in order]):
+                g = key_index(sample["__key__"]) % self.num_streams
+                if g in got:
+                    got[g] += 1
+                    sample["__pass__"] = n_pass
+                    yield g, sample
+            empty = [g for g, n in got.items() if n == 0]
+            if empty:
+                raise RuntimeError(f"stream(s) {empty} of {self.num_streams} got no samples from "
+                                   f"{len(order)} shard(s): the split has fewer samples than num_streams")
+            n_pass += 1
+
+    def stream(self, g: int) -> Iterator[dict]:
+        queue = self.queues[g]
+        while True:
+            while not queue:
+                h, sample = next(self.source)
+                self.queues[h].append(sample)
+            yield queue.popleft()
+
+
+def _pass_shuffled(raw: Iterator[dict], bufsize: int, tag: str) -> Iterator[dict]:
+    """Shuffle each pass of an endless pass-tagged stream on its own (buffer seeded by (tag, pass))."""
+    pending = next(raw)
+
+    def rest_of_pass(n_pass: int) -> Iterator[dict]:
+        nonlocal pending
+        while pending["__pass__"] == n_pass:
+            sample, pending = pending, next(raw)
+            yield sample
+
+    while True:
+        n_pass = pending["__pass__"]
+        yield from shuffle_buffer(rest_of_pass(n_pass), bufsize, random.Random(f"{tag}:{n_pass}:buffer"))
+
+
+def shuffle_buffer(items: Iterator, bufsize: int, rng: random.Random) -> Iterator:
+    """webdataset's shuffle (fills to ``bufsize`` reading 2 per output once half full) with an explicit
+    rng, drained (shuffled) when ``items`` ends."""
+    initial = max(1, bufsize // 2)
+    buf: list = []
+    for item in items:
+        buf.append(item)
+        if len(buf) < bufsize:
+            nxt = next(items, None)
+            if nxt is not None:
+                buf.append(nxt)
+        if len(buf) >= initial:
+            j = rng.randrange(len(buf))
+            buf[j], buf[-1] = buf[-1], buf[j]
+            yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+def sample_seeds(seed: int, epoch: int, n_pass: int, key: str) -> tuple[int, int]:
+    """(augmentation, erasing) seeds of one sample: a stable hash, the same in every process."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{n_pass}:{key}".encode(), digest_size=16).digest()
+    return (int.from_bytes(digest[:8], "little") & _SEED_MASK,
+            int.from_bytes(digest[8:], "little") & _SEED_MASK)
