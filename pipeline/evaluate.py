@@ -10,13 +10,14 @@ import mlflow
 import numpy as np
 import torch
 
+from pipeline import storage
 from pipeline.config import Params
 from pipeline.data import make_eval_loader, read_dataset_info
 from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
 from pipeline.model import ViTConfig, VisionTransformer, attention_maps, load_model
 from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.tracking import stage_run
-from pipeline.utils import METRICS, MODELS, PLOTS, SHARDS, atomic_write_json, atomic_write_text
+from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text
 
 
 @torch.no_grad()
@@ -50,7 +51,7 @@ def distributed_predict(model: VisionTransformer, shard_dir, split: str, params:
     state = ray.put({k: v.detach().cpu() for k, v in model.state_dict().items()})
     task = ray.remote(_predict_rank).options(num_cpus=params.ray.cpus_per_worker,
                                              num_gpus=params.ray.gpus_per_worker if params.ray.use_gpu else 0)
-    parts = ray.get([task.remote(state, model.config.to_dict(), str(Path(shard_dir).resolve()), split, kwargs,
+    parts = ray.get([task.remote(state, model.config.to_dict(), storage.worker_path(shard_dir), split, kwargs,
                                  rank, world) for rank in range(world)])
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
@@ -105,7 +106,7 @@ def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path
 def evaluate(params: Params) -> dict:
     from pipeline.train.driver import init_ray
 
-    shard_dir = SHARDS / "finetune"
+    shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)
     model, meta = load_model(MODELS / "finetune")
     size, normalize, classes = meta["image_size"], meta["normalize"], meta["classes"]

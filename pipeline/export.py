@@ -10,11 +10,12 @@ import mlflow
 import numpy as np
 import torch
 
+from pipeline import storage
 from pipeline.config import Params
 from pipeline.data import make_eval_loader
 from pipeline.model import VisionTransformer, load_model, save_model
 from pipeline.tracking import stage_run
-from pipeline.utils import EXPORTS, METRICS, MODELS, SHARDS, atomic_write_json
+from pipeline.utils import EXPORTS, METRICS, MODELS, atomic_write_json
 
 
 def sample_images(shard_dir, n: int, image_size: int, normalize: dict) -> torch.Tensor:
@@ -65,7 +66,7 @@ def export(params: Params) -> dict:
     model, meta = load_model(MODELS / "finetune")
     model.eval()
     cfg = params.export
-    images = sample_images(SHARDS / "finetune", cfg.num_images, meta["image_size"], meta["normalize"])
+    images = sample_images(storage.shard_dir("finetune"), cfg.num_images, meta["image_size"], meta["normalize"])
     with torch.no_grad():
         reference = model(images)
     results: dict[str, dict] = {}

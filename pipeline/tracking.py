@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipeline.config import ConfigError, Params, flatten
+from pipeline.storage import file_hash
 
 
 class TrackingUnreachable(ConfigError):
@@ -55,11 +56,6 @@ def git_info(cwd: str | os.PathLike = ".") -> dict[str, str]:
     commit = git("rev-parse", "HEAD") or "unknown"
     dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit != "unknown" else False
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
-
-
-def file_hash(path: str | os.PathLike) -> str:
-    p = Path(path)
-    return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else "none"
 
 
 def pipeline_id(params_path: str | os.PathLike = "params.yaml") -> str:

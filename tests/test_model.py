@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -356,3 +357,30 @@ def test_drop_path_eval_deterministic_train_stochastic():
         assert not torch.allclose(model(x), model(x))
         deterministic = nano().train()  # no dropout of any kind configured
         torch.testing.assert_close(deterministic(x), deterministic(x), rtol=0, atol=0)
+
+
+def test_finetune_start_from_timm_weights_file(tmp_path):
+    """`finetune.init` + `init_source: timm`: a timm checkpoint at its own patch/grid is loaded, then moved
+    to the fine-tune resolution and patch size; features match timm's before the move."""
+    import timm.models.vision_transformer as tvit
+
+    from pipeline.config import load_params
+    from pipeline.train.stages import load_finetune_start
+
+    ref = tvit.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=7,
+                                 global_pool="token").eval()
+    torch.save(ref.state_dict(), tmp_path / "timm.pt")
+    root = Path(__file__).resolve().parents[1]
+    params = load_params(root / "params.yaml", overrides={
+        "model.depth": 2, "finetune.init": str(tmp_path / "timm.pt"), "finetune.init_source": "timm",
+        "finetune.image_size": 48, "finetune.patch_size": 4})
+    model = load_finetune_start(params, num_classes=10).eval()
+    assert model.config.image_size == (48, 48) and model.config.patch_size == (4, 4)
+    assert model.config.num_classes == 10
+    assert torch.isfinite(model(torch.randn(2, 3, 48, 48))).all()
+    with torch.no_grad():  # the [CLS] position embedding is carried over unchanged
+        assert torch.equal(model.pos_embed[:, :1], ref.pos_embed[:, :1])
+    bad = load_params(root / "params.yaml", overrides={"finetune.init": str(tmp_path / "timm.pt"),
+                                                        "finetune.init_source": "timm"})
+    with pytest.raises(ValueError, match="64 wide but model.preset='nano'|does not fit"):
+        load_finetune_start(bad, num_classes=10)

@@ -15,6 +15,7 @@ STEPS_PER_EPOCH = 1257 // 64  # digits train split / global batch
 
 
 def short_run(raw: dict) -> dict:
+    raw["data"]["pretrain"]["source"] = "digits"  # STEPS_PER_EPOCH below
     raw["model"].update(depth=2)
     raw["pretrain"].update(epochs=2, warmup_epochs=0, checkpoint_every_steps=5, log_every_steps=5)
     raw["ray"].update(max_failures=0)

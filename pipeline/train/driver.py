@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import storage
 from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.model import VisionTransformer
@@ -66,7 +67,7 @@ def plan_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTra
     steps = max(1, info["counts"]["train"] // cfg.global_batch_size)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     loop_cfg = {
-        "stage": stage, "model": model.config.to_dict(), "shard_dir": str(Path(shard_dir).resolve()),
+        "stage": stage, "model": model.config.to_dict(), "shard_dir": storage.worker_path(shard_dir),
         "image_size": cfg.image_size, "epochs": cfg.epochs, "steps_per_epoch": steps,
         "per_worker_batch": per_worker, "max_worker_batch": cfg.max_worker_batch, "lr": cfg.lr,
         "min_lr": cfg.min_lr, "weight_decay": cfg.weight_decay, "layer_decay": cfg.layer_decay,

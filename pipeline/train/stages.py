@@ -1,6 +1,7 @@
 """The pretrain and finetune stages: params in, model directory + metrics + curves out."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import mlflow
@@ -10,9 +11,10 @@ from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.model import VisionTransformer, build_vit, convert_state_dict, load_model, save_model
 from pipeline.plots import plot_history
-from pipeline.tracking import file_hash, stage_run
+from pipeline import storage
+from pipeline.tracking import stage_run
 from pipeline.train.driver import fit, plan_training, write_history
-from pipeline.utils import METRICS, MODELS, PLOTS, SHARDS, atomic_write_json
+from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
 
 
 def _extra_params(params: Params, cfg: TrainConfig, model: VisionTransformer, info: dict) -> dict:
@@ -24,8 +26,8 @@ def _extra_params(params: Params, cfg: TrainConfig, model: VisionTransformer, in
 
 
 def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
-                    shard_dir: Path, info: dict, extra: dict) -> dict:
-    tags = {"dataset.manifest": file_hash(shard_dir / "manifest.parquet"), "dataset.source": info["source"]}
+                    shard_dir: str | Path, info: dict, extra: dict) -> dict:
+    tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")), "dataset.source": info["source"]}
     plan = plan_training(stage, params, cfg, model, str(shard_dir))
     with stage_run(stage, params, extra_params={**_extra_params(params, cfg, model, info), **extra},
                    tags=tags, resume_key=plan.run_name, system_metrics=True) as run:
@@ -49,7 +51,7 @@ def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionT
 
 def pretrain(params: Params) -> dict:
     """Train a ViT from scratch on the pretrain shards."""
-    shard_dir = SHARDS / "pretrain"
+    shard_dir = storage.shard_dir("pretrain")
     info = read_dataset_info(shard_dir)
     torch.manual_seed(params.pretrain.seed)
     model = build_vit(params.model.preset, patch_size=params.model.patch_size,
@@ -79,6 +81,8 @@ def load_finetune_start(params: Params, num_classes: int) -> VisionTransformer:
 
 
 def _load_external(params: Params, path: Path) -> VisionTransformer:
+    """Weights from a file (ours, timm's or torchvision's key layout), built at their own patch size and
+    grid; the caller then moves the model to the fine-tune resolution with the configured interpolation."""
     if not path.exists():
         raise FileNotFoundError(f"finetune.init: {path} does not exist (a model directory, .safetensors or .pt file)")
     if path.is_dir():
@@ -89,11 +93,19 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
     else:
         state = torch.load(path, map_location="cpu", weights_only=True)
     if params.finetune.init_source != "pipeline":
-        state = convert_state_dict(state, params.finetune.init_source)
-    model = build_vit(params.model.preset, patch_size=params.model.patch_size,
-                      image_size=params.pretrain.image_size, num_classes=0, pool=params.model.pool,
-                      **params.model.overrides())
+        state = convert_state_dict(state, params.finetune.init_source, drop_head=True)
     state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    try:
+        width, _, patch, _ = state["patch_embed.proj.weight"].shape
+        grid = math.isqrt(state["pos_embed"].shape[1] - 1)
+    except KeyError as exc:
+        raise ValueError(f"finetune.init: {path} has no {exc} (is finetune.init_source="
+                         f"{params.finetune.init_source!r} right? valid: pipeline, timm, torchvision)") from None
+    model = build_vit(params.model.preset, patch_size=patch, image_size=grid * patch, num_classes=0,
+                      pool=params.model.pool, drop_path_rate=params.model.drop_path_rate, **params.model.overrides())
+    if model.config.embed_dim != width:
+        raise ValueError(f"finetune.init: {path} is {width} wide but model.preset={params.model.preset!r} is "
+                         f"{model.config.embed_dim} wide (set model.preset / model.embed_dim to match)")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("head.")]:
         raise ValueError(f"finetune.init: {path} does not fit model.preset={params.model.preset!r} "
@@ -103,7 +115,7 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
 
 def finetune(params: Params) -> dict:
     """Fine-tune the pretrained model on the finetune shards at the fine-tune resolution."""
-    shard_dir = SHARDS / "finetune"
+    shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)
     model = load_finetune_start(params, len(info["classes"]))
     extra = {"interpolation.mode": params.finetune.interpolation.mode,

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# MLflow tracking server (UI + REST API + artifact proxy) for the pipeline. Runs in the foreground.
+#
+#   bash infra/mlflow-server.sh                      # http://127.0.0.1:5000, ./mlflow.db + ./mlartifacts
+#   MLFLOW_PORT=5001 bash infra/mlflow-server.sh
+#   then: export MLFLOW_TRACKING_URI=http://127.0.0.1:5000 (stages, infra/submit.sh)
+#
+# Environment (defaults in brackets):
+#   MLFLOW_HOST                  bind address; 0.0.0.0 to serve a cluster  [127.0.0.1]
+#   MLFLOW_PORT                  [5000]
+#   MLFLOW_BACKEND_STORE_URI     sqlite:///ABS/PATH.db or postgresql://user:pass@host:5432/mlflow
+#                                [sqlite:///<repo>/mlflow.db — the store the stages use by default]
+#   MLFLOW_ARTIFACTS_DESTINATION where the server stores run artifacts: a directory or s3://bucket/prefix
+#                                (clients upload through the server: workers need no bucket access)
+#                                [<repo>/mlartifacts]
+#   MLFLOW_ALLOWED_HOSTS         Host headers accepted (DNS-rebinding guard). Default: localhost and
+#                                private IPs. Behind a name or public IP list it, e.g.
+#                                "mlflow.internal:5000,10.0.*". Never "*" on an open network.
+#   MLFLOW_CORS_ALLOWED_ORIGINS  only if a browser app on another origin calls the API
+#   MLFLOW_WORKERS               uvicorn workers  [2]
+# On a cluster: MLFLOW_HOST=0.0.0.0 on a machine the nodes reach, Postgres as the backend, artifacts in
+# the bucket, the port open only to the cluster (and to you, e.g. via `ssh -L 5000:localhost:5000`).
+# The server has no login of its own: keep it on a private network or behind an authenticating proxy.
+# Extra arguments go to `mlflow server`.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+host=${MLFLOW_HOST:-127.0.0.1}
+port=${MLFLOW_PORT:-5000}
+backend=${MLFLOW_BACKEND_STORE_URI:-sqlite:///$root/mlflow.db}
+artifacts=${MLFLOW_ARTIFACTS_DESTINATION:-$root/mlartifacts}
+case $artifacts in *://*) ;; *) mkdir -p "$artifacts"; artifacts=$(cd "$artifacts" && pwd) ;; esac
+
+args=(--backend-store-uri "$backend" --artifacts-destination "$artifacts" --serve-artifacts
+      --host "$host" --port "$port" --workers "${MLFLOW_WORKERS:-2}")
+[[ -n ${MLFLOW_ALLOWED_HOSTS:-} ]] && args+=(--allowed-hosts "$MLFLOW_ALLOWED_HOSTS")
+[[ -n ${MLFLOW_CORS_ALLOWED_ORIGINS:-} ]] && args+=(--cors-allowed-origins "$MLFLOW_CORS_ALLOWED_ORIGINS")
+# The pipeline uses no server-side MLflow jobs: skip the job runner and its worker processes.
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}
+# No usage telemetry from a private server (without egress it also delays shutdown by seconds).
+export MLFLOW_DISABLE_TELEMETRY=${MLFLOW_DISABLE_TELEMETRY:-true}
+
+echo "MLflow: http://$host:$port  backend ${backend%%://*}://…  artifacts $artifacts" >&2
+exec mlflow server "${args[@]}" "$@"

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Start / stop a Ray head node with token authentication (Ray 2.60: `ray job submit` needs it).
+#
+#   bash infra/ray-head.sh start [extra `ray start` options]   # e.g. --num-gpus 1
+#   bash infra/ray-head.sh status | token | env | stop
+#
+# start  generates a token if none exists, starts the head (dashboard / job API on 127.0.0.1 unless
+#        DASHBOARD_HOST is set) and writes $RAY_HEAD_DIR/env, which a submitter can source.
+# token  prints the token (give it to submitters: RAY_AUTH_TOKEN=..., or a file + RAY_AUTH_TOKEN_PATH).
+# stop   stops only THIS head: the processes of the session it was started in and their children.
+#        (`ray stop` would kill every Ray process of every user on the machine.)
+#
+# Environment (defaults in brackets):
+#   RAY_HEAD_DIR        state + Ray temp dir, keep it short (unix socket paths)  [/tmp/vit-ray-head]
+#   RAY_PORT            GCS port (workers join with `ray start --address HEAD:RAY_PORT`)  [6379]
+#   DASHBOARD_HOST      dashboard / job API bind address; 0.0.0.0 to accept other machines  [127.0.0.1]
+#   DASHBOARD_PORT      dashboard / job API port  [8265]
+#   RAY_CLIENT_PORT     Ray Client server port  [10001]
+#   RAY_AGENT_PORT      dashboard agent HTTP port  [52365]
+#   RAY_NUM_CPUS, RAY_NUM_GPUS   resources to advertise  [detected]
+#   RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH   token or token file; else ~/.ray/auth_token
+#                       (created by `ray get-auth-token --generate` when missing)
+#   RAY_STOP_GRACE      seconds between SIGTERM and SIGKILL on stop  [10]
+# Note: the GCS and raylet ports listen on all interfaces (Ray has no switch for that); every RPC
+# needs the token, and on a cluster a firewall / security group should admit only the cluster.
+set -euo pipefail
+
+cmd=${1:-}
+[[ $# -gt 0 ]] && shift
+dir=${RAY_HEAD_DIR:-/tmp/vit-ray-head}
+port=${RAY_PORT:-6379}
+dhost=${DASHBOARD_HOST:-127.0.0.1}
+dport=${DASHBOARD_PORT:-8265}
+export RAY_AUTH_MODE=token
+
+die() { echo "ray-head: $*" >&2; exit 1; }
+command -v ray >/dev/null || die "ray not found on PATH (source .venv/bin/activate)"
+
+ensure_token() {
+  [[ -n ${RAY_AUTH_TOKEN:-} ]] && return
+  if [[ -n ${RAY_AUTH_TOKEN_PATH:-} ]]; then
+    [[ -s $RAY_AUTH_TOKEN_PATH ]] && return
+    # Ray's generator writes ~/.ray/auth_token: run it with a private HOME, move the file into place.
+    local home
+    home=$(mktemp -d)
+    env -u RAY_AUTH_TOKEN_PATH HOME="$home" ray get-auth-token --generate >/dev/null
+    mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
+    install -m 600 "$home/.ray/auth_token" "$RAY_AUTH_TOKEN_PATH"
+    rm -rf "$home"
+  else
+    ray get-auth-token --generate >/dev/null  # no-op when ~/.ray/auth_token exists
+    chmod 600 "$HOME/.ray/auth_token"
+  fi
+}
+
+# Every process of the head: the session started by `start` (recorded in $dir/sid) plus all their
+# descendants (Ray workers and job drivers may move to sessions / groups of their own).
+head_pids() {
+  [[ -s $dir/sid ]] || return 0
+  # still ours? (a member still names our temp dir; guards against a recycled session id)
+  ps -o args= -s "$(cat "$dir/sid")" 2>/dev/null | grep -qF -- "$dir/ray" || return 0
+  ps -eo pid=,ppid=,sid= | awk -v g="$(cat "$dir/sid")" -v self=$$ '
+    { pid[NR] = $1; ppid[NR] = $2; sid[NR] = $3 }
+    END {
+      for (i = 1; i <= NR; i++) if (sid[i] == g) keep[pid[i]] = 1
+      do { changed = 0
+           for (i = 1; i <= NR; i++) if (!(pid[i] in keep) && (ppid[i] in keep)) { keep[pid[i]] = 1; changed = 1 }
+      } while (changed)
+      for (p in keep) if (p != self) print p
+    }'
+}
+
+alive_pids() { for p in "$@"; do kill -0 "$p" 2>/dev/null && echo "$p"; done; return 0; }
+
+api_host() { [[ $dhost == 0.0.0.0 || $dhost == "::" ]] && echo 127.0.0.1 || echo "$dhost"; }
+
+case $cmd in
+  start)
+    [[ -n $(head_pids) ]] && die "a head started from $dir is already running (bash infra/ray-head.sh stop)"
+    mkdir -p "$dir"
+    ensure_token
+    args=(--head --port "$port" --dashboard-host "$dhost" --dashboard-port "$dport"
+          --ray-client-server-port "${RAY_CLIENT_PORT:-10001}"
+          --dashboard-agent-listen-port "${RAY_AGENT_PORT:-52365}"
+          --temp-dir "$dir/ray" --disable-usage-stats)
+    [[ -n ${RAY_NUM_CPUS:-} ]] && args+=(--num-cpus "$RAY_NUM_CPUS")
+    [[ -n ${RAY_NUM_GPUS:-} ]] && args+=(--num-gpus "$RAY_NUM_GPUS")
+    command -v setsid >/dev/null || die "setsid (util-linux) is needed to start a head that stop can find again"
+    # A new session whose id is recorded: `stop` finds exactly these processes again.
+    setsid -w bash -c 'echo $$ > "$1"; shift; exec ray start "$@"' _ "$dir/sid" "${args[@]}" "$@" \
+      > "$dir/start.log" 2>&1 || { cat "$dir/start.log" >&2; "$0" stop >/dev/null 2>&1 || true; die "ray start failed"; }
+    {
+      echo "export RAY_AUTH_MODE=token"
+      [[ -n ${RAY_AUTH_TOKEN_PATH:-} ]] && echo "export RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH"
+      echo "export RAY_API_SERVER_ADDRESS=http://$(api_host):$dport"
+      echo "export RAY_HEAD_GCS_ADDRESS=$(hostname -I 2>/dev/null | awk '{print $1}'):$port"
+    } > "$dir/env"
+    echo "Ray head up: job API http://$(api_host):$dport (token auth), GCS port $port, logs $dir/ray/session_latest/logs"
+    echo "Submit: source $dir/env && bash infra/submit.sh        Stop: bash infra/ray-head.sh stop"
+    ;;
+  stop)
+    pids=$(head_pids)
+    if [[ -z $pids ]]; then echo "no head running from $dir"; exit 0; fi
+    kill -TERM $pids 2>/dev/null || true
+    for _ in $(seq $((${RAY_STOP_GRACE:-10} * 4))); do
+      [[ -z $(alive_pids $pids) ]] && break
+      sleep 0.25
+    done
+    alive=$(alive_pids $pids)
+    if [[ -n $alive ]]; then kill -KILL $alive 2>/dev/null || true; fi
+    rm -f "$dir/sid"
+    echo "Ray head stopped ($(echo $pids | wc -w) processes)"
+    ;;
+  status)
+    ray status --address "127.0.0.1:$port"
+    ;;
+  token)
+    ensure_token
+    ray get-auth-token 2>/dev/null
+    echo
+    ;;
+  env)
+    cat "$dir/env"
+    ;;
+  *)
+    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    [[ $cmd == -h || $cmd == --help || $cmd == help ]] || exit 2
+    ;;
+esac

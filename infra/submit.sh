@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Submit the training stages to a Ray cluster as one Ray job, and wait for it (exit 1 if it fails).
+#
+#   bash infra/submit.sh [ray job submit options] [-- ENTRYPOINT ...]
+#   bash infra/submit.sh                                  # pretrain finetune evaluate export
+#   bash infra/submit.sh -- bash infra/job.sh shard-pretrain shard-finetune pretrain
+#   bash infra/submit.sh --no-wait --submission-id vit-42 # then: ray job logs -f vit-42
+#
+# The repository (this script's parent directory) is uploaded as the job's working dir, without
+# .git (excluded here) and everything .gitignore'd (Ray honours it) — data/shards, models/, exports/,
+# mlflow.db, .venv — so inputs
+# and outputs never travel with the upload: the job (infra/job.sh) reads shards from and writes
+# models / metrics / plots / Ray checkpoints to VIT_WORKSPACE, a directory every node mounts at the
+# same path (NFS, EFS, a local path for a one-machine cluster) or an s3:// prefix. See infra/README.md.
+#
+# Environment:
+#   RAY_API_SERVER_ADDRESS  job API of the head  [http://127.0.0.1:8265]
+#   RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH   the cluster's token (else ~/.ray/auth_token)
+#   VIT_WORKSPACE           where the job's inputs and outputs live, as the cluster sees it  (required)
+#   VIT_PARAMS              params file, relative to the repo root  [params.yaml]
+#   VIT_PARAMS_OVERLAY      keys merged over it in the job, e.g. infra/params.cluster.yaml (GPU Ray section)
+#   MLFLOW_TRACKING_URI     tracking server the job logs to (an http:// URL reachable from the
+#                           cluster; unset: sqlite in the workspace, shared paths only)
+#   VIT_SHARDS_URL, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, AWS_REGION   passed on when set
+#   VIT_JOB_ENV             extra NAME=VALUE pairs (space separated) for the job's environment
+# AWS credentials are NOT put in the job's runtime env (the dashboard shows it): give the nodes an
+# instance role / IRSA, or their own ~/.aws, or VIT_JOB_ENV at your own risk.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+opts=()
+while [[ $# -gt 0 && $1 != -- ]]; do
+  case $1 in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
+  opts+=("$1"); shift
+done
+[[ ${1:-} == -- ]] && shift
+entry=("$@")
+[[ ${#entry[@]} -gt 0 ]] || entry=(bash infra/job.sh pretrain finetune evaluate export)
+
+: "${VIT_WORKSPACE:?set VIT_WORKSPACE to a shared path or s3:// prefix the cluster can reach (see infra/README.md)}"
+params=${VIT_PARAMS:-params.yaml}
+[[ $params == /* ]] && { echo "submit: VIT_PARAMS must be relative to the repo root (it is uploaded with it)" >&2; exit 2; }
+[[ -f $params ]] || { echo "submit: $params not found in $(pwd)" >&2; exit 2; }
+# Check the params here, before anything is uploaded (exit 2 with the offending key).
+check=$(mktemp -d)
+trap 'rm -rf "$check"' EXIT
+if [[ -n ${VIT_PARAMS_OVERLAY:-} ]]; then
+  [[ $VIT_PARAMS_OVERLAY != /* && -f $VIT_PARAMS_OVERLAY ]] || {
+    echo "submit: VIT_PARAMS_OVERLAY=$VIT_PARAMS_OVERLAY must be a file relative to the repo root" >&2; exit 2; }
+  python infra/params_overlay.py "$params" "$VIT_PARAMS_OVERLAY" "$check/params.yaml" || exit 2
+else
+  python -c 'import sys; from pipeline.config import ConfigError, load_params
+try: load_params(sys.argv[1])
+except ConfigError as e: sys.exit(f"submit: {e}")' "$params" || exit 2
+fi
+
+runtime_env=$(VIT_PARAMS=$params python - <<'EOF'
+import json, os
+names = ["VIT_WORKSPACE", "VIT_PARAMS", "VIT_PARAMS_OVERLAY", "VIT_SHARDS_URL", "MLFLOW_TRACKING_URI",
+         "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION"]
+env = {k: os.environ[k] for k in names if os.environ.get(k)}
+for pair in os.environ.get("VIT_JOB_ENV", "").split():
+    k, _, v = pair.partition("=")
+    env[k] = v
+print(json.dumps({"env_vars": env,
+                  # Ray honours .gitignore but uploads .git; the rest is not needed by the job
+                  "excludes": [".git", "docs/", "benchmarks/", "tests/", ".dvc/cache/", ".dvc/tmp/",
+                               "metrics/", "plots/"]}))
+EOF
+)
+
+export RAY_AUTH_MODE=token
+ray job submit --address "${RAY_API_SERVER_ADDRESS:-http://127.0.0.1:8265}" --working-dir . \
+  --runtime-env-json "$runtime_env" "${opts[@]}" -- "${entry[@]}"

@@ -1,0 +1,227 @@
+"""Shared paths and object storage (S3 and S3-compatible servers) for running the pipeline on a cluster.
+
+Everything here works on plain local paths too, so a call site can use it unconditionally.
+Credentials come from the usual AWS variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, instance roles) and the endpoint of an S3-compatible server
+(MinIO, Ceph, moto, ...) from ``AWS_ENDPOINT_URL``: botocore/s3fs and pyarrow read both themselves.
+
+- :func:`shard_dir` — where a stage reads its shards: ``$VIT_SHARDS_URL/<name>`` (``s3://...`` or a
+  shared path) or ``data/shards/<name>``. The loader (``pipeline.data.loader``) already streams
+  ``s3://`` shard URLs through fsspec.
+- :func:`worker_path` — what the driver hands to Ray workers: URLs unchanged, local paths absolute.
+- :func:`join`, :func:`file_hash` — path arithmetic and content hashes that work on URLs too.
+- :func:`ray_storage` — ``RunConfig(storage_path=..., storage_filesystem=...)`` for an ``s3://``
+  ``ray.storage_path`` (checkpoints written to and resumed from the bucket).
+- :func:`upload_dir` / :func:`download_dir` — mirror a directory (shards, models, metrics) to and
+  from a bucket prefix, markers (``dataset.json``, ``config.json``) last so readers never see a
+  manifest naming objects that are not there yet.
+
+CLI (used by ``infra/job.sh``)::
+
+    python -m pipeline.storage push [--keep] [--missing-ok] LOCAL URL [LOCAL URL ...]
+    python -m pipeline.storage pull [--missing-ok] URL LOCAL [URL LOCAL ...]
+    python -m pipeline.storage ls s3://bucket/ws
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+SHARDS_URL_ENV = "VIT_SHARDS_URL"
+DEFAULT_SHARDS = Path("data/shards")
+MARKERS = ("dataset.json", "config.json")  # written last: their presence marks a complete directory
+
+
+def is_url(path) -> bool:
+    return "://" in str(path)
+
+
+def join(base, *names: str) -> str:
+    """``join("s3://b/x", "y")`` -> ``"s3://b/x/y"``; local paths joined with the OS separator."""
+    if is_url(base):
+        return "/".join([str(base).rstrip("/"), *(n.strip("/") for n in names)])
+    return os.path.join(str(base), *names)
+
+
+def shard_dir(name: str, default_root: str | os.PathLike = DEFAULT_SHARDS):
+    """Shard directory of dataset ``name``: ``$VIT_SHARDS_URL/<name>`` when set, else ``data/shards/<name>``."""
+    root = os.environ.get(SHARDS_URL_ENV)
+    if root:
+        return join(root, name) if is_url(root) else Path(root) / name
+    return Path(default_root) / name
+
+
+def worker_path(path) -> str:
+    """A path every Ray worker can open: URLs as they are, local paths made absolute."""
+    return str(path) if is_url(path) else str(Path(path).resolve())
+
+
+def file_hash(path) -> str:
+    """First 16 hex chars of the sha256 of a local file or an object (``"none"`` if missing)."""
+    import hashlib
+
+    if not is_url(path):
+        p = Path(path)
+        return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else "none"
+    fs, p = filesystem(str(path))
+    try:
+        return hashlib.sha256(fs.cat_file(p)).hexdigest()[:16]
+    except FileNotFoundError:
+        return "none"
+
+
+def filesystem(url: str):
+    """``(fsspec filesystem, path without scheme)`` for ``url`` (``s3://``, ``memory://``, local)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(str(url))
+    return fs, path
+
+
+def ray_storage(storage_path: Optional[str], default: str = ".ray_results"):
+    """``(storage_path, storage_filesystem)`` for Ray Train's ``RunConfig``.
+
+    Local paths are made absolute (filesystem ``None``). For ``s3://bucket/prefix`` an explicit
+    ``pyarrow.fs.S3FileSystem`` is built with ``AWS_ENDPOINT_URL`` (pyarrow >= 16 also reads it
+    itself) and the path is returned without its scheme, as Ray expects with a filesystem.
+    """
+    path = storage_path or default
+    if not is_url(path):
+        return str(Path(path).resolve()), None
+    scheme, rest = str(path).split("://", 1)
+    if scheme not in ("s3", "s3a"):
+        return str(path), None  # gs://, hdfs://, ... : let pyarrow resolve it from the URI
+    from pyarrow import fs as pafs
+
+    kwargs = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        kwargs["endpoint_override"] = endpoint
+        if endpoint.startswith("http://"):
+            kwargs["scheme"] = "http"
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        kwargs["region"] = region
+    return rest.rstrip("/"), pafs.S3FileSystem(**kwargs)
+
+
+def _local_files(local: Path) -> list[str]:
+    files = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+    # markers last, so a reader that sees one also sees everything it names
+    return sorted(files, key=lambda r: (Path(r).name in MARKERS, r))
+
+
+def upload_dir(local: str | os.PathLike, url: str, *, delete: bool = True) -> list[str]:
+    """Mirror directory ``local`` to ``url`` (a bucket prefix); returns the relative names written.
+
+    Hidden temporary files (``.name.tmp-*``, left by an interrupted atomic write) are skipped.
+    With ``delete``, objects under the prefix that are not in ``local`` are removed afterwards.
+    """
+    local = Path(local)
+    if not local.is_dir():
+        raise FileNotFoundError(f"{local} is not a directory")
+    fs, root = filesystem(url)
+    rels = [r for r in _local_files(local) if not any(part.startswith(".") for part in Path(r).parts)]
+    for rel in rels:
+        fs.put_file(str(local / rel), f"{root.rstrip('/')}/{rel}")
+    if delete:
+        keep = {f"{root.rstrip('/')}/{r}" for r in rels}
+        stale = [p for p in _find(fs, root) if p not in keep]
+        if stale:
+            fs.rm(stale)
+    fs.invalidate_cache()
+    return rels
+
+
+def _find(fs, root: str) -> list[str]:
+    try:
+        return [p for p in fs.find(root.rstrip("/") + "/") if not p.endswith("/")]
+    except FileNotFoundError:
+        return []
+
+
+def download_dir(url: str, local: str | os.PathLike, *, missing_ok: bool = False) -> Optional[Path]:
+    """Copy everything under ``url`` into ``local``, replacing it whole (written beside, then renamed).
+
+    Returns ``None`` (and leaves ``local`` alone) when nothing is there and ``missing_ok``.
+    """
+    fs, root = filesystem(url)
+    fs.invalidate_cache()
+    prefix = root.rstrip("/") + "/"
+    objects = _find(fs, root)
+    if not objects:
+        if missing_ok:
+            return None
+        raise FileNotFoundError(f"nothing under {url}")
+    local = Path(local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{local.name}.tmp-", dir=local.parent))
+    try:
+        for obj in objects:
+            rel = obj[len(prefix):]
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(obj, str(target))
+        os.chmod(tmp, 0o755)
+        if local.exists():
+            shutil.rmtree(local)
+        tmp.rename(local)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return local
+
+
+def list_objects(url: str) -> list[str]:
+    """Object names under ``url``, relative to it."""
+    fs, root = filesystem(url)
+    fs.invalidate_cache()
+    prefix = root.rstrip("/") + "/"
+    return [p[len(prefix):] for p in _find(fs, root)]
+
+
+def _pairs(items: list[str], what: str) -> list[tuple[str, str]]:
+    if not items or len(items) % 2:
+        raise ValueError(f"expected {what} pairs, got {items}")
+    return list(zip(items[::2], items[1::2]))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.storage", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    push = sub.add_parser("push", help="mirror local directories to URL prefixes")
+    push.add_argument("pairs", nargs="+", metavar="LOCAL URL")
+    push.add_argument("--keep", action="store_true", help="do not delete remote objects missing locally")
+    push.add_argument("--missing-ok", action="store_true", help="skip local directories that do not exist")
+    pull = sub.add_parser("pull", help="copy URL prefixes into local directories (each replaced whole)")
+    pull.add_argument("pairs", nargs="+", metavar="URL LOCAL")
+    pull.add_argument("--missing-ok", action="store_true", help="succeed when nothing is there")
+    ls = sub.add_parser("ls", help="list objects under a URL prefix")
+    ls.add_argument("url")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "push":
+            for local, url in _pairs(args.pairs, "LOCAL URL"):
+                if args.missing_ok and not Path(local).is_dir():
+                    continue
+                n = len(upload_dir(local, url, delete=not args.keep))
+                print(f"[storage] {local} -> {url} ({n} files)", flush=True)
+        elif args.cmd == "pull":
+            for url, local in _pairs(args.pairs, "URL LOCAL"):
+                got = download_dir(url, local, missing_ok=args.missing_ok)
+                print(f"[storage] {url} -> {local}" if got else f"[storage] nothing under {url}", flush=True)
+        else:
+            print("\n".join(list_objects(args.url)))
+    except (FileNotFoundError, PermissionError, ValueError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Shared fixtures for the infra tests: free loopback ports, a real MLflow server, process-group teardown."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+# Variables that would point a child at the developer's own servers / params instead of the test's.
+_LEAKY = ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "VIT_PARAMS", "VIT_WORKSPACE",
+          "VIT_SHARDS_URL", "AWS_ENDPOINT_URL", "AWS_PROFILE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without the variables above, the venv first on PATH, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _LEAKY}
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the process group that ``proc`` leads (started with start_new_session), then SIGKILL."""
+    if proc.poll() is None or _group_alive(proc.pid):
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            proc.poll()  # reap the leader: a zombie still counts as a group member
+            if not _group_alive(proc.pid):
+                break
+            time.sleep(0.2)
+        if _group_alive(proc.pid):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: "
+                               f"{log.read_text()[-3000:] if log else ''}")
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s: {log.read_text()[-3000:] if log else ''}")
+
+
+@pytest.fixture(scope="session")
+def port_factory():
+    """``port_factory()`` -> a free loopback TCP port."""
+    return free_port
+
+
+@pytest.fixture(scope="session")
+def env_factory():
+    """``env_factory(**extra)`` -> a clean child environment (see :func:`clean_env`)."""
+    return clean_env
+
+
+class MlflowServer:
+    def __init__(self, url: str, data: Path, proc: subprocess.Popen, log: Path):
+        self.url, self.data, self.proc, self.log = url, data, proc, log
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """``infra/mlflow-server.sh`` on a free loopback port (sqlite + local artifacts in a temp dir)."""
+    data = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    log = data / "server.log"
+    env = clean_env(MLFLOW_PORT=str(port), MLFLOW_HOST="127.0.0.1", MLFLOW_WORKERS="1",
+                    MLFLOW_BACKEND_STORE_URI=f"sqlite:///{data}/mlflow.db",
+                    MLFLOW_ARTIFACTS_DESTINATION=str(data / "artifacts"))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", str(ROOT / "infra/mlflow-server.sh")], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", timeout=120, proc=proc, log=log)
+        yield MlflowServer(url, data, proc, log)
+    finally:
+        stop_group(proc)
+
+
+class S3Server:
+    def __init__(self, endpoint: str, env: dict[str, str], bucket: str):
+        self.endpoint, self.env, self.bucket = endpoint, env, bucket
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+
+    def keys(self, prefix: str = "") -> list[str]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """A real S3 API server (moto in server mode, its own process) on a free loopback port, one bucket.
+
+    ``.env`` holds the AWS variables a client needs (endpoint via AWS_ENDPOINT_URL); they are also set
+    in this process for the module's duration, so fsspec / pyarrow here talk to the same server.
+    """
+    moto = shutil.which("moto_server", path=str(VENV_BIN))
+    if moto is None:
+        pytest.fail("moto_server not installed: pip install -r requirements-test.txt")
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], env=clean_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        wait_http(endpoint + "/moto-api/", timeout=60, proc=proc, log=log)
+        os.environ.update(env)
+        server = S3Server(endpoint, env, "vit-test")
+        server.client().create_bucket(Bucket=server.bucket)
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        stop_group(proc)

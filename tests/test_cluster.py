@@ -1,0 +1,299 @@
+"""Cluster path: a real Ray head (token auth, loopback dashboard) started by infra/ray-head.sh, a real
+job submitted by infra/submit.sh that runs the pretrain stage on 2 Ray Train workers with inputs and
+outputs in a workspace outside the uploaded working dir, logging to a real MLflow server; plus a fast
+check of the cluster / KubeRay / Docker configs."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+REPO_FILES = ["pipeline", "stages", "infra", "params.yaml", "dvc.yaml", ".gitignore", "pyproject.toml",
+              "requirements.txt"]
+
+
+def _copy_repo(dst: Path) -> Path:
+    for name in REPO_FILES:
+        src, target = ROOT / name, dst / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, target)
+    return dst
+
+
+def _tiny_overlay(repo: Path, experiment: str) -> str:
+    """An overlay on params.yaml (as infra/params.cluster.yaml is), scaled down to a 1-epoch CPU run."""
+    overlay = {"model": {"depth": 2}, "pretrain": {"epochs": 1, "warmup_epochs": 0},
+               "ray": {"address": "auto", "num_workers": 2, "max_failures": 0},
+               "mlflow": {"experiment": experiment}}
+    (repo / "params.test-cluster.yaml").write_text(yaml.safe_dump(overlay, sort_keys=False))
+    return "params.test-cluster.yaml"
+
+
+def _http_status(url: str, token: str | None = None) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        return urllib.request.urlopen(req, timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on ``port`` (from /proc/net/tcp{,6})."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.split(":")
+            if state != "0A" or int(hexport, 16) != port:  # 0A: LISTEN
+                continue
+            if len(addr) == 8:
+                found.add(socket.inet_ntop(socket.AF_INET, bytes.fromhex(addr)[::-1]))
+            else:  # four little-endian 32-bit words
+                raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, 32, 8))
+                found.add(socket.inet_ntop(socket.AF_INET6, raw))
+    return found
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# --------------------------------------------------------------------------------------------- head
+
+@pytest.fixture(scope="module")
+def ray_head(port_factory, env_factory):
+    # Short path: Ray's unix sockets live under the temp dir (108-byte limit).
+    state = Path(tempfile.mkdtemp(prefix="vray-", dir="/tmp"))
+    ports = {name: port_factory() for name in ("RAY_PORT", "DASHBOARD_PORT", "RAY_CLIENT_PORT", "RAY_AGENT_PORT")}
+    env = env_factory(RAY_HEAD_DIR=str(state), RAY_NUM_CPUS="2", RAY_AUTH_TOKEN_PATH=str(state / "token"),
+                    RAY_STOP_GRACE="5", **{k: str(v) for k, v in ports.items()})
+    script = str(ROOT / "infra/ray-head.sh")
+    try:
+        proc = subprocess.run(["bash", script, "start"], env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        yield {"state": state, "env": env, "ports": ports, "token": (state / "token").read_text().strip(),
+               "api": f"http://127.0.0.1:{ports['DASHBOARD_PORT']}", "start_output": proc.stdout}
+    finally:
+        stop = subprocess.run(["bash", script, "stop"], env=env, capture_output=True, text=True, timeout=120)
+        print(stop.stdout, stop.stderr)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_head_requires_token_and_binds_dashboard_to_loopback(ray_head):
+    token, api = ray_head["token"], ray_head["api"]
+    assert re.fullmatch(r"[0-9a-f]{64}", token), "ray get-auth-token --generate writes 64 hex chars"
+    assert (ray_head["state"] / "token").stat().st_mode & 0o077 == 0, "token file readable by others"
+    assert _http_status(f"{api}/api/jobs/") == 401            # no token
+    assert _http_status(f"{api}/api/jobs/", "0" * 64) == 403   # wrong token
+    assert _http_status(f"{api}/api/jobs/", token) == 200
+    assert _listening_addresses(ray_head["ports"]["DASHBOARD_PORT"]) == {"127.0.0.1"}
+    env_file = (ray_head["state"] / "env").read_text()
+    assert f"RAY_API_SERVER_ADDRESS={api}" in env_file and "RAY_AUTH_MODE=token" in env_file
+
+
+@pytest.mark.slow
+def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow_server, env_factory, tmp_path):
+    from mlflow.tracking import MlflowClient
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from pipeline.model import load_model
+
+    repo = _copy_repo(tmp_path / "repo")
+    params = _tiny_overlay(repo, experiment="cluster-job")
+    # Ignored files must stay on the submitter: these would be uploaded if the boundary leaked.
+    for leak in ("data/shards/pretrain/LEAK", "models/pretrain/LEAK"):
+        (repo / leak).parent.mkdir(parents=True)
+        (repo / leak).write_text("must not be uploaded")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)  # .git must not be uploaded either
+    ws = tmp_path / "workspace"  # the "shared" path: same absolute path for submitter and cluster
+    env = env_factory(**{k: v for k, v in ray_head["env"].items() if k.startswith("RAY_AUTH")},
+                    RAY_API_SERVER_ADDRESS=ray_head["api"], VIT_WORKSPACE=str(ws), VIT_PARAMS_OVERLAY=params,
+                    MLFLOW_TRACKING_URI=mlflow_server.url)
+
+    # 1. Shard on the submitter, straight into the workspace (same script the job runs).
+    shard = subprocess.run(["bash", "infra/job.sh", "shard-pretrain"], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert shard.returncode == 0, shard.stdout + shard.stderr
+    assert (ws / "data/shards/pretrain/dataset.json").is_file()
+
+    # 2. Submit the pretrain stage as a Ray job and wait for it (submit.sh exits 1 if the job fails).
+    job_id = f"vit-test-{tmp_path.name[-8:].replace('_', '-')}"
+    sub = subprocess.run(["bash", "infra/submit.sh", "--submission-id", job_id, "--",
+                          "bash", "infra/job.sh", "pretrain"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    logs = sub.stdout + sub.stderr
+    assert sub.returncode == 0, logs[-6000:]
+    assert "[pretrain] epoch 1/1" in logs and "[job] done: pretrain" in logs, logs[-4000:]
+
+    client = JobSubmissionClient(ray_head["api"], headers={"Authorization": f"Bearer {ray_head['token']}"})
+    assert client.get_job_status(job_id) == JobStatus.SUCCEEDED
+    info = client.get_job_info(job_id)
+    assert info.runtime_env["working_dir"].startswith("gcs://"), info.runtime_env  # code went up as a package
+    assert info.runtime_env["env_vars"]["VIT_WORKSPACE"] == str(ws)
+    assert info.runtime_env["env_vars"]["VIT_PARAMS_OVERLAY"] == params
+    assert "[pretrain] done" in client.get_job_logs(job_id)
+
+    # 3. The upload carried the code, not the ignored data; the job wrote to the workspace only.
+    unpacked = {d.resolve() for d in (ray_head["state"] / "ray").glob("session_*/runtime_resources/working_dir_files/*")
+                if (d / "pipeline").is_dir()}  # session_latest links to the session
+    assert len(unpacked) == 1, f"expected one unpacked working dir on the head: {unpacked}"
+    pkg = unpacked.pop()
+    assert (pkg / "pipeline/train/driver.py").is_file() and (pkg / "infra/job.sh").is_file()
+    assert (pkg / params).is_file()
+    assert not list(pkg.rglob("LEAK")), "gitignored data/models were uploaded"
+    assert not (pkg / ".git").exists(), ".git was uploaded"
+    assert not (pkg / "models/pretrain/model.safetensors").exists()
+    assert not (repo / "models/pretrain/model.safetensors").exists()
+    model_dir = ws / "models/pretrain"
+    assert (model_dir / "model.safetensors").stat().st_size > 10_000
+    model, meta = load_model(model_dir)
+    assert meta["stage"] == "pretrain" and model.config.depth == 2
+    assert json.loads((ws / "metrics/pretrain.json").read_text())["val_top1"] > 0  # written by the job
+    assert list((ws / ".ray_results").glob(f"{meta['ray_run']}/checkpoint_*/state.pt"))
+
+    # 4. The run is on the tracking server, with the pipeline's params and the workers' metrics.
+    ml = MlflowClient(mlflow_server.url)
+    exp = ml.get_experiment_by_name("cluster-job")
+    runs = ml.search_runs([exp.experiment_id], "tags.stage = 'pretrain'")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.run_id == meta["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert run.data.params["world_size"] == "2" and run.data.params["model.depth"] == "2"
+    assert 0.0 < run.data.metrics["val_top1"] <= 1.0
+    summary = json.loads((ws / "metrics/pretrain.json").read_text())
+    history = ml.get_metric_history(run.info.run_id, "train_loss")  # one point per epoch, at its last step
+    assert [m.step for m in history] == [summary["step"]]
+    assert "config.json" in [a.path for a in ml.list_artifacts(run.info.run_id)]
+
+
+@pytest.mark.slow
+def test_stop_frees_the_head_ports(ray_head):
+    """Runs last in this module: stop the head explicitly, check that its ports are released."""
+    env = ray_head["env"]
+    out = subprocess.run(["bash", str(ROOT / "infra/ray-head.sh"), "stop"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "stopped" in out.stdout, out.stdout + out.stderr
+    for name in ("RAY_PORT", "DASHBOARD_PORT"):
+        assert not _port_in_use(ray_head["ports"][name]), f"{name} still served after stop"
+    again = subprocess.run(["bash", str(ROOT / "infra/ray-head.sh"), "stop"], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 0 and "no head running" in again.stdout
+
+
+# ------------------------------------------------------------------------------ configs (fast)
+
+def _load(name: str):
+    return yaml.safe_load((ROOT / "infra" / name).read_text())
+
+
+def _module_exists(module: str) -> bool:
+    return (ROOT / (module.replace(".", "/") + ".py")).is_file() or \
+        importlib.util.find_spec(module) is not None
+
+
+def _entrypoint_ok(cmd: str) -> None:
+    """Every `python -m X` names a module of this repo, every `bash F` a file of it, stages are valid."""
+    cmd = cmd.replace("/app/", "")  # infra/Dockerfile puts the repo at /app
+    mods = re.findall(r"python -m ([\w.]+)", cmd)
+    scripts = re.findall(r"bash (\S+\.sh)", cmd)
+    assert mods or scripts, cmd
+    for m in mods:
+        assert _module_exists(m), f"{m} in {cmd!r} does not exist"
+    for s in scripts:
+        assert (ROOT / s).is_file(), f"{s} in {cmd!r} does not exist"
+        for stage in re.findall(rf"{re.escape(s)}((?: [\w-]+)*)", cmd)[0].split():
+            assert _module_exists(f"stages.{stage.split('-')[0]}"), stage
+
+
+def test_ray_cluster_yaml():
+    cfg = _load("ray-cluster.yaml")
+    for key in ("cluster_name", "max_workers", "provider", "auth", "available_node_types", "head_node_type",
+                "setup_commands", "head_start_ray_commands", "worker_start_ray_commands", "file_mounts"):
+        assert key in cfg, key
+    assert cfg["provider"]["type"] == "aws" and cfg["provider"]["region"]
+    types = cfg["available_node_types"]
+    head = types[cfg["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0 and "InstanceType" in head["node_config"]
+    gpu_workers = [t for n, t in types.items() if n != cfg["head_node_type"] and t["resources"].get("GPU", 0) > 0]
+    assert gpu_workers and all(t["max_workers"] >= t.get("min_workers", 0) for t in gpu_workers)
+    assert sum(t["max_workers"] for t in gpu_workers) <= cfg["max_workers"]
+    setup = " ".join(cfg["setup_commands"])
+    assert "requirements.txt" in setup and "pip install" in setup
+    start = " ".join(cfg["head_start_ray_commands"])
+    assert "RAY_AUTH_MODE=token" in start and "ray start --head" in start
+    assert "RAY_AUTH_MODE=token" in " ".join(cfg["worker_start_ray_commands"])
+    assert any("auth_token" in str(k) or "auth_token" in str(v) for k, v in cfg["file_mounts"].items())
+
+
+def test_rayjob_yaml():
+    job = _load("rayjob.yaml")
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    spec = job["spec"]
+    _entrypoint_ok(spec["entrypoint"])
+    renv = yaml.safe_load(spec["runtimeEnvYAML"])
+    assert renv["env_vars"]["VIT_WORKSPACE"] and renv["env_vars"]["MLFLOW_TRACKING_URI"].startswith("http")
+    cluster = spec["rayClusterSpec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["image"] and any(e["name"] == "RAY_AUTH_MODE" for e in head.get("env", [])) or \
+        cluster.get("authOptions", {}).get("mode") == "token"
+    workers = cluster["workerGroupSpecs"]
+    assert any(int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) > 0
+               for w in workers for c in w["template"]["spec"]["containers"])
+    assert spec.get("shutdownAfterJobFinishes") is True
+
+
+def test_cluster_params_overlay(tmp_path, capsys):
+    from pipeline.config import flatten, load_params
+
+    spec = importlib.util.spec_from_file_location("params_overlay", ROOT / "infra/params_overlay.py")
+    overlay_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overlay_tool)
+    out = tmp_path / "merged.yaml"
+    assert overlay_tool.main([str(ROOT / "params.yaml"), str(ROOT / "infra/params.cluster.yaml"), str(out)]) == 0
+    p, base = load_params(out), load_params(ROOT / "params.yaml")
+    assert p.ray.address == "auto" and p.ray.use_gpu and p.ray.gpus_per_worker >= 1
+    differ = {k for k, v in flatten(p).items() if flatten(base)[k] != v}
+    assert differ and all(k.startswith("ray.") for k in differ), differ  # only the Ray section changes
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ray:\n  num_workers: 3\n")  # 64 is not divisible by 3
+    assert overlay_tool.main([str(ROOT / "params.yaml"), str(bad), str(tmp_path / "bad-merged.yaml")]) == 2
+    assert "num_workers" in capsys.readouterr().err
+    job = _load("rayjob.yaml")
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert env["VIT_PARAMS_OVERLAY"] == "infra/params.cluster.yaml" and (ROOT / env["VIT_PARAMS"]).is_file()
+    gpu_group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    assert gpu_group["replicas"] >= p.ray.num_workers  # one Ray Train worker per GPU pod
+
+
+def test_dockerfile_and_scripts():
+    docker = (ROOT / "infra/Dockerfile").read_text()
+    base = re.search(r"^FROM\s+(\S+)", docker, re.M).group(1)
+    assert "3.11" in base, base
+    assert "requirements.txt" in docker and re.search(r"pip install .*-r requirements.txt", docker)
+    for script in ("ray-head.sh", "submit.sh", "job.sh", "mlflow-server.sh"):
+        path = ROOT / "infra" / script
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, script
+        assert path.read_text().startswith("#!/usr/bin/env bash")
+    default = re.search(r"entry=\((bash infra/job.sh[^)]*)\)", (ROOT / "infra/submit.sh").read_text()).group(1)
+    _entrypoint_ok(default)
+    for doc in ("README.md",):
+        text = (ROOT / "infra" / doc).read_text()
+        for needle in ("VIT_WORKSPACE", "RAY_AUTH_MODE=token", "MLFLOW_TRACKING_URI", "storage_path"):
+            assert needle in text, needle

@@ -1,0 +1,148 @@
+"""MLflow's compare view, as a person sees it: two fine-tune runs logged through the pipeline's own
+tracking code (``stage_run`` + the workers' ``RunLogger``) to a real server started by
+infra/mlflow-server.sh, then a real headless Chromium (Playwright) opens the experiment, selects both
+runs, presses Compare and finds the model size, patch size, resolution, interpolation and a metric.
+Saves the view to docs/mlflow-compare.png."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+# The README's picture; refreshed only on request so a test run leaves the tree clean.
+README_SCREENSHOT = ROOT / "docs/mlflow-compare.png"
+EXPERIMENT = "ui-compare"
+# name, params.yaml overrides, (train_loss, val_top1) per epoch
+RUNS = [
+    ("finetune-nano-p4-32px-bicubic",
+     {"model.preset": "nano", "finetune.patch_size": None, "finetune.image_size": 32,
+      "finetune.interpolation.mode": "bicubic"},
+     [(1.91, 0.612), (1.12, 0.834), (0.83, 0.917)]),
+    ("finetune-micro-p8-48px-bilinear",
+     {"model.preset": "micro", "finetune.patch_size": 8, "finetune.image_size": 48,
+      "finetune.interpolation.mode": "bilinear"},
+     [(2.05, 0.544), (1.37, 0.689), (1.02, 0.781)]),
+]
+
+pytestmark = pytest.mark.slow
+
+
+def _ensure_chromium() -> None:
+    """Debian's chromium, installed with apt-get when missing (skip only if that is impossible)."""
+    if Path(CHROMIUM).exists():
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip(f"{CHROMIUM} missing and apt-get unavailable (not root): apt-get install chromium")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    log = ""
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends",
+                                              "chromium", "fonts-dejavu-core"]):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        log += proc.stdout[-1500:] + proc.stderr[-1500:]
+        if proc.returncode:
+            break
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"could not install chromium with apt-get: {log[-1500:]}")
+
+
+def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
+    """Two fine-tune runs exactly as the stage names its params: stage_run + _extra_params + RunLogger."""
+    from pipeline.config import load_params
+    from pipeline.model import build_vit
+    from pipeline.tracking import RunLogger, stage_run
+    from pipeline.train.stages import _extra_params
+
+    ids = []
+    for name, overrides, curve in RUNS:
+        params = load_params(ROOT / "params.yaml", {**overrides, "mlflow.experiment": EXPERIMENT})
+        params_path = workdir / f"params.{name}.yaml"  # a pipeline id per params file, as in dvc repro
+        params_path.write_text(f"# {name}\n")
+        ft = params.finetune
+        model = build_vit(params.model.preset, patch_size=params.finetune_patch_size, image_size=ft.image_size,
+                          num_classes=10, pool=params.model.pool, **params.model.overrides())
+        info = {"source": "digits", "classes": [str(i) for i in range(10)]}
+        extra = {**_extra_params(params, ft, model, info),  # what pipeline.train.stages.finetune logs
+                 "interpolation.mode": ft.interpolation.mode, "interpolation.antialias": ft.interpolation.antialias,
+                 "pretrain_image_size": params.pretrain.image_size, "init": ft.init or "models/pretrain"}
+        with stage_run("finetune", params, extra_params=extra, tags={"run_name": name},
+                       params_path=str(params_path)) as run:
+            logger = RunLogger(tracking_uri, run.info.run_id)
+            for epoch, (loss, top1) in enumerate(curve, 1):
+                logger.log_metrics({"train_loss": loss, "val_top1": top1}, step=epoch * 19)
+        ids.append(run.info.run_id)
+    return ids
+
+
+def _param_row(page, name: str):
+    return page.locator("tr").filter(has=page.locator("th", has_text=re.compile(rf"^{re.escape(name)}$")))
+
+
+def test_compare_view_shows_params_and_metrics(mlflow_server, tmp_path, monkeypatch):
+    _ensure_chromium()
+    screenshot = tmp_path / "mlflow-compare.png"
+    from mlflow.tracking import MlflowClient
+    from playwright.sync_api import sync_playwright
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    run_ids = _log_runs(mlflow_server.url, tmp_path)
+    exp_id = MlflowClient(mlflow_server.url).get_experiment_by_name(EXPERIMENT).experiment_id
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1400})
+            page.set_default_timeout(30_000)
+            page.goto(f"{mlflow_server.url}/#/experiments/{exp_id}/runs")
+            # The stage runs hang under their pipeline parent runs: expand the parents.
+            page.get_by_text("pipeline-").first.wait_for()
+            if page.get_by_role("button", name="Close").count():  # the assistant side panel
+                page.get_by_role("button", name="Close").first.click()
+            parents = page.locator("[role=row]").filter(has_text="pipeline-")
+            for i in range(parents.count()):
+                row = parents.nth(i)
+                expander = row.locator("button[data-component-id*=runnamecellrenderer]")
+                (expander if expander.count() else row.get_by_role("button")).first.click()
+            for name, _, _ in RUNS:
+                page.get_by_text(name).first.wait_for()
+                index = page.locator("[role=row]").filter(has_text=name).first.get_attribute("row-index")
+                page.locator(f'[role=row][row-index="{index}"] input[type=checkbox]').first.check()
+            page.get_by_role("button", name="Compare").click()
+
+            page.get_by_text("Comparing 2 Runs").wait_for()
+            assert all(rid in page.url for rid in run_ids), page.url
+            for param, values in {"model_size": ("nano", "micro"), "patch_size": ("4", "8"),
+                                  "image_size": ("32", "48"), "interpolation.mode": ("bicubic", "bilinear"),
+                                  "finetune.interpolation.mode": ("bicubic", "bilinear"),
+                                  "world_size": ("2", "2")}.items():
+                row = _param_row(page, param)
+                assert row.count() == 1, f"no row for param {param}"
+                cells = [c.strip() for c in row.locator("td").all_inner_texts()]
+                assert tuple(cells) == values, (param, cells)
+            metric = page.get_by_role("link", name="val_top1")
+            assert metric.count() >= 1, "metric val_top1 not in the compare view"
+            for _, _, curve in RUNS:  # the last logged value of each run
+                assert page.get_by_text(f"{curve[-1][1]:g}", exact=True).count() >= 1
+
+            # A compact picture: only differing params, no plots, no sidebar.
+            page.get_by_label("Show diff only").first.click()
+            _param_row(page, "world_size").wait_for(state="detached")
+            assert _param_row(page, "model_size").count() == 1
+            page.get_by_role("button", name=re.compile("Visualizations")).first.click()
+            if page.get_by_role("button", name="Toggle sidebar").count():
+                page.get_by_role("button", name="Toggle sidebar").first.click()
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(screenshot))
+        finally:
+            browser.close()
+    assert screenshot.stat().st_size > 20_000
+    if os.environ.get("VIT_UPDATE_SCREENSHOTS") == "1":
+        shutil.copyfile(screenshot, README_SCREENSHOT)

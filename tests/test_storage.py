@@ -1,0 +1,181 @@
+"""Object storage: a real S3 API server (moto, own process, loopback). Shards go to a bucket, the
+pipeline's loader streams them from it, a training job checkpoints into the bucket through Ray
+Train's ``storage_path: s3://…``, dies, and a re-run on a wiped local disk resumes from the bucket."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import storage
+from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO_FILES = ["pipeline", "stages", "infra", "params.yaml", ".gitignore"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "pretrain"
+    shard_dataset(out, source="digits", maxcount=256)
+    return out
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_push_pull_mirror_and_ray_filesystem(s3_server, local_shards, tmp_path, monkeypatch):
+    url = f"s3://{s3_server.bucket}/t1/shards/pretrain"
+    stale = f"t1/shards/pretrain/train-999999.tar"
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=stale, Body=b"old")
+    names = storage.upload_dir(local_shards, url)
+    assert names[-1] == "dataset.json", "the manifest must be written last"
+    assert s3_server.keys("t1/") == sorted(f"t1/shards/pretrain/{n}" for n in names)  # stale object gone
+    assert stale not in s3_server.keys("t1/")
+
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy/old-file").write_text("replaced whole")
+    got = storage.download_dir(url, tmp_path / "copy")
+    assert _tree(got) == _tree(local_shards)
+    assert storage.download_dir(f"s3://{s3_server.bucket}/nothing", tmp_path / "x", missing_ok=True) is None
+    with pytest.raises(FileNotFoundError):
+        storage.download_dir(f"s3://{s3_server.bucket}/nothing", tmp_path / "x")
+
+    path, fs = storage.ray_storage(f"s3://{s3_server.bucket}/ray/")
+    assert path == f"{s3_server.bucket}/ray" and fs is not None
+    with fs.open_output_stream(f"{path}/probe.txt") as f:  # the filesystem Ray Train would write through
+        f.write(b"ok")
+    assert "ray/probe.txt" in s3_server.keys("ray/")
+    assert storage.ray_storage(None)[0] == str(Path(".ray_results").resolve())
+
+    monkeypatch.setenv("VIT_SHARDS_URL", f"s3://{s3_server.bucket}/t1/shards")
+    assert storage.shard_dir("pretrain") == url
+    assert storage.worker_path(storage.shard_dir("pretrain")) == url
+    monkeypatch.delenv("VIT_SHARDS_URL")
+    assert storage.worker_path(storage.shard_dir("pretrain")) == str(Path("data/shards/pretrain").resolve())
+
+
+def test_loader_streams_shards_from_bucket(s3_server, local_shards):
+    """What each Ray worker does when handed an s3:// shard dir: stream the tars over the S3 API."""
+    url = f"s3://{s3_server.bucket}/t2/shards/pretrain"
+    storage.upload_dir(local_shards, url)
+    info = read_dataset_info(url)
+    assert info == read_dataset_info(local_shards)
+    n_val = sum(len(y) for _, y in make_eval_loader(url, "val", batch_size=64, image_size=16, rank=0,
+                                                    world_size=1, augment={}))
+    assert n_val == info["counts"]["val"]
+    seen = []
+    for rank in (0, 1):
+        batches = list(make_train_loader(url, batch_size=32, image_size=16, steps_per_epoch=3, rank=rank,
+                                         world_size=2, epoch=0, seed=0, augment={}))
+        assert len(batches) == 3 and all(x.shape == (32, 3, 16, 16) for x, _ in batches)
+        seen.append(sum(len(y) for _, y in batches))
+    assert seen == [96, 96]
+
+
+def _copy_repo(dst: Path, storage_path: str) -> Path:
+    for name in REPO_FILES:
+        src, target = ROOT / name, dst / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, target)
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["model"].update(depth=2)
+    raw["pretrain"].update(epochs=2, warmup_epochs=0)
+    raw["ray"].update(num_workers=2, max_failures=0, storage_path=storage_path)
+    raw["mlflow"]["experiment"] = "storage-test"
+    (dst / "params.s3.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return dst
+
+
+def test_job_shards_to_bucket_trains_checkpoints_and_resumes(s3_server, mlflow_server, env_factory, tmp_path):
+    bucket = s3_server.bucket
+    repo = _copy_repo(tmp_path / "repo", storage_path=f"s3://{bucket}/ray")
+    scratch = tmp_path / "scratch"  # the job's local disk; wiped between runs like a fresh node
+    env = env_factory(**s3_server.env, VIT_WORKSPACE=f"s3://{bucket}/ws", VIT_SCRATCH=str(scratch),
+                      VIT_PARAMS="params.s3.yaml", MLFLOW_TRACKING_URI=mlflow_server.url)
+
+    def job(*stages: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "infra/job.sh", *stages], cwd=repo, env={**env, **extra},
+                              capture_output=True, text=True, timeout=600)
+
+    # 1. Shard into the bucket.
+    out = job("shard-pretrain")
+    assert out.returncode == 0, out.stdout + out.stderr
+    keys = s3_server.keys("ws/")
+    assert "ws/data/shards/pretrain/dataset.json" in keys and any(k.endswith(".tar") for k in keys)
+    info = json.loads(s3_server.client().get_object(
+        Bucket=bucket, Key="ws/data/shards/pretrain/dataset.json")["Body"].read())
+    steps_per_epoch = info["counts"]["train"] // yaml.safe_load((repo / "params.s3.yaml").read_text())["pretrain"]["global_batch_size"]
+    shutil.rmtree(scratch)
+
+    # 2. Train from the bucket; the run dies in epoch 2, after epoch 1's checkpoint went to the bucket.
+    marker = tmp_path / "fault-marker"
+    fail = job("pretrain", VIT_FAULT=f"raise@{steps_per_epoch + 2}:{marker}")
+    assert fail.returncode != 0 and marker.exists(), fail.stdout[-3000:] + fail.stderr[-3000:]
+    assert "[storage] s3://" in fail.stdout and "data/shards" in fail.stdout  # shards came from the bucket
+    ckpts = [k for k in s3_server.keys("ray/") if re.search(r"ray/pretrain-\w+/checkpoint_[^/]+/state\.pt$", k)]
+    assert ckpts, s3_server.keys("ray/")
+    assert not (scratch / ".ray_results").exists(), "checkpoints must not stay on the local disk"
+    assert not s3_server.keys("ws/models/"), "a failed stage must not publish a model"
+    shutil.rmtree(scratch)
+
+    # 3. Re-run on a wiped disk: Ray Train restores the run from the bucket and finishes epoch 2 only.
+    done = job("pretrain")
+    logs = done.stdout + done.stderr
+    assert done.returncode == 0, logs[-5000:]
+    assert re.search(r"\[pretrain\] resumed from checkpoint", logs), logs[-3000:]
+    assert "epoch 2/2" in logs and "epoch 1/2" not in logs
+    keys = s3_server.keys("ws/")
+    for k in ("ws/models/pretrain/model.safetensors", "ws/models/pretrain/config.json", "ws/metrics/pretrain.json"):
+        assert k in keys, keys
+    meta = json.loads(s3_server.client().get_object(Bucket=bucket, Key="ws/models/pretrain/config.json")["Body"].read())
+    assert any(k.startswith(f"ray/{meta['ray_run']}/checkpoint_") for k in s3_server.keys("ray/"))
+
+    from mlflow.tracking import MlflowClient
+
+    ml = MlflowClient(mlflow_server.url)
+    runs = ml.search_runs([ml.get_experiment_by_name("storage-test").experiment_id], "tags.stage = 'pretrain'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the re-run continued the same run
+    assert len(ml.get_metric_history(runs[0].info.run_id, "val_top1")) == 2
+
+
+def _streaming_supported() -> bool:
+    """True once the stages take shard dirs from pipeline.storage (the call sites in the report)."""
+    import inspect
+
+    import pipeline.train.driver as driver
+    import pipeline.train.stages as stages
+
+    return "storage.shard_dir" in inspect.getsource(stages) and "worker_path" in inspect.getsource(driver)
+
+
+@pytest.mark.xfail(not _streaming_supported(), strict=True,
+                   reason="pipeline/train/stages.py still reads SHARDS/<name> and driver.py resolves shard_dir "
+                          "as a local path: add the pipeline.storage call sites (VIT_SHARDS_URL)")
+def test_stage_streams_shards_from_bucket(s3_server, mlflow_server, env_factory, local_shards, tmp_path):
+    """With VIT_SHARDS_URL the stage and its Ray workers read the tars from the bucket: no local copy."""
+    storage.upload_dir(local_shards, f"s3://{s3_server.bucket}/t3/shards/pretrain")
+    repo = _copy_repo(tmp_path / "repo", storage_path=f"s3://{s3_server.bucket}/t3/ray")
+    raw = yaml.safe_load((repo / "params.s3.yaml").read_text())
+    raw["pretrain"]["epochs"] = 1
+    (repo / "params.s3.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = env_factory(**s3_server.env, VIT_SHARDS_URL=f"s3://{s3_server.bucket}/t3/shards",
+                      VIT_PARAMS="params.s3.yaml", MLFLOW_TRACKING_URI=mlflow_server.url)
+    out = subprocess.run(["python", "-m", "stages.pretrain"], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (repo / "models/pretrain/model.safetensors").is_file()
+    assert not (repo / "data").exists(), "shards were copied locally instead of streamed"
+    meta = json.loads((repo / "models/pretrain/config.json").read_text())
+    assert any(k.startswith(f"t3/ray/{meta['ray_run']}/checkpoint_") for k in s3_server.keys("t3/ray/"))
