@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.repo_copy import copy_repo_files
+
 ROOT = Path(__file__).resolve().parents[1]
 
 REPO_FILES = ["pipeline", "stages", "infra", "params.yaml", "dvc.yaml", ".gitignore", "pyproject.toml",
@@ -25,14 +27,7 @@ REPO_FILES = ["pipeline", "stages", "infra", "params.yaml", "dvc.yaml", ".gitign
 
 
 def _copy_repo(dst: Path) -> Path:
-    for name in REPO_FILES:
-        src, target = ROOT / name, dst / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, target)
-    return dst
+    return copy_repo_files(dst, REPO_FILES)
 
 
 def _tiny_overlay(repo: Path, experiment: str) -> str:

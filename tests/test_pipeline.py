@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -13,6 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
+
+from tests.repo_copy import copy_repo_files
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO_FILES = ["pipeline", "stages", "dvc.yaml", "params.yaml", ".dvcignore", ".dvc/config", ".gitignore"]
@@ -33,14 +34,7 @@ def tiny_params(raw: dict) -> dict:
 
 
 def make_repo(dst: Path, edit=tiny_params) -> Path:
-    for name in REPO_FILES:
-        src = ROOT / name
-        target = dst / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, target)
+    copy_repo_files(dst, REPO_FILES)
     raw = yaml.safe_load((dst / "params.yaml").read_text())
     (dst / "params.yaml").write_text(yaml.safe_dump(edit(raw), sort_keys=False))
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"],

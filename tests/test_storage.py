@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from pipeline import storage
+from tests.repo_copy import copy_repo_files
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,13 +83,7 @@ def test_loader_streams_shards_from_bucket(s3_server, local_shards):
 
 
 def _copy_repo(dst: Path, storage_path: str) -> Path:
-    for name in REPO_FILES:
-        src, target = ROOT / name, dst / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, target)
+    copy_repo_files(dst, REPO_FILES)
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["model"].update(depth=2)
     raw["pretrain"].update(epochs=2, warmup_epochs=0)
