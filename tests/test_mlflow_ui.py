@@ -58,7 +58,7 @@ def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
     from pipeline.config import load_params
     from pipeline.model import build_vit
     from pipeline.tracking import RunLogger, stage_run
-    from pipeline.train.stages import _extra_params
+    from pipeline.train.stages import _extra_params, finetune_extra_params
 
     ids = []
     for name, overrides, curve in RUNS:
@@ -69,9 +69,8 @@ def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
         model = build_vit(params.model.preset, patch_size=params.finetune_patch_size, image_size=ft.image_size,
                           num_classes=10, pool=params.model.pool, **params.model.overrides())
         info = {"source": "digits", "classes": [str(i) for i in range(10)]}
-        extra = {**_extra_params(params, ft, model, info),  # what pipeline.train.stages.finetune logs
-                 "interpolation.mode": ft.interpolation.mode, "interpolation.antialias": ft.interpolation.antialias,
-                 "pretrain_image_size": params.pretrain.image_size, "init": ft.init or "models/pretrain"}
+        # exactly what pipeline.train.stages.finetune logs
+        extra = {**_extra_params(params, ft, model, info), **finetune_extra_params(params)}
         with stage_run("finetune", params, extra_params=extra, tags={"run_name": name},
                        params_path=str(params_path)) as run:
             logger = RunLogger(tracking_uri, run.info.run_id)

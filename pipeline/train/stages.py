@@ -118,7 +118,11 @@ def finetune(params: Params) -> dict:
     shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)
     model = load_finetune_start(params, len(info["classes"]))
-    extra = {"interpolation.mode": params.finetune.interpolation.mode,
-             "interpolation.antialias": params.finetune.interpolation.antialias,
-             "pretrain_image_size": params.pretrain.image_size, "init": params.finetune.init or "models/pretrain"}
-    return _train_and_save("finetune", params, params.finetune, model, shard_dir, info, extra)
+    return _train_and_save("finetune", params, params.finetune, model, shard_dir, info, finetune_extra_params(params))
+
+
+def finetune_extra_params(params: Params) -> dict:
+    """What the finetune run logs beyond its params section: how the model was moved and from where."""
+    ft = params.finetune
+    return {"interpolation.mode": ft.interpolation.mode, "interpolation.antialias": ft.interpolation.antialias,
+            "pretrain_image_size": params.pretrain.image_size, "init": ft.init or "models/pretrain"}
