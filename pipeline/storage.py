@@ -32,8 +32,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from pipeline.utils import SHARDS
+
 SHARDS_URL_ENV = "VIT_SHARDS_URL"
-DEFAULT_SHARDS = Path("data/shards")
 MARKERS = ("dataset.json", "config.json")  # written last: their presence marks a complete directory
 
 
@@ -48,7 +49,7 @@ def join(base, *names: str) -> str:
     return os.path.join(str(base), *names)
 
 
-def shard_dir(name: str, default_root: str | os.PathLike = DEFAULT_SHARDS):
+def shard_dir(name: str, default_root: str | os.PathLike = SHARDS):
     """Shard directory of dataset ``name``: ``$VIT_SHARDS_URL/<name>`` when set, else ``data/shards/<name>``."""
     root = os.environ.get(SHARDS_URL_ENV)
     if root:

@@ -53,11 +53,6 @@ def _state_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def storage_path(params: Params) -> str:
-    path = params.ray.storage_path or ".ray_results"
-    return path if "://" in path else str(Path(path).resolve())
-
-
 def plan_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
                   shard_dir: str) -> TrainPlan:
     """Everything the workers need, and the run name that identifies this exact run."""
@@ -126,6 +121,7 @@ def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: st
     from pipeline.train.worker import train_loop_per_worker
 
     init_ray(params)
+    storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
     cfg = plan.loop_cfg
     loop_cfg = {**cfg, "init_ref": ray.put(plan.init_state), "run_id": run_id, "fault": _fault_from_env(),
                 "tracking_uri": resolve_tracking_uri(params.tracking_uri)}
@@ -139,7 +135,7 @@ def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: st
         scaling_config=ScalingConfig(num_workers=world, use_gpu=params.ray.use_gpu,
                                      resources_per_worker=_resources(params)),
         run_config=RunConfig(
-            name=plan.run_name, storage_path=storage_path(params),
+            name=plan.run_name, storage_path=storage_path, storage_filesystem=storage_fs,
             checkpoint_config=CheckpointConfig(num_to_keep=params.ray.checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=params.ray.max_failures),
             logging_config=LoggingConfig(log_level="INFO" if params.ray.verbose else "WARNING")),
