@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.io import ImageReadMode, decode_image
 
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
+from .tario import tarfile_samples
 from .transforms import BatchFinish, SampleTransform
 
 IMAGE_KEYS = "png;jpg;jpeg;webp"
@@ -80,7 +81,7 @@ class _ShardStream(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         mine, modulo = split_plan(self.urls, self.rank, self.world_size, worker, num_workers)
-        for sample in wds.tarfile_samples([{"url": u} for u in mine]):
+        for sample in tarfile_samples([{"url": u} for u in mine]):
             if modulo is None or key_index(sample["__key__"]) % modulo[1] == modulo[0]:
                 yield sample
 

@@ -30,7 +30,8 @@ import zlib
 from collections import deque
 from typing import Iterator, Optional
 
-import webdataset as wds
+from .tario import tarfile_samples
+
 
 DEFAULT_STREAMS = 8
 STREAM_BUFFER = 256  # encoded samples per stream (shuffled before decode, so cheap); S/W streams per rank
@@ -123,7 +124,7 @@ def _shard_passes(shards: list[str], g: int, num_streams: int, tag: str) -> Iter
         order = list(shards)
         random.Random(f"{tag}:{n_pass}").shuffle(order)
         n = 0
-        for sample in wds.tarfile_samples([{"url": u} for u in order]):
+        for sample in tarfile_samples([{"url": u} for u in order]):
             sample["__pass__"] = n_pass
             n += 1
             yield sample
@@ -147,7 +148,7 @@ class _ModuloSource:
             order = list(self.urls)
             random.Random(f"{self.tag}:{n_pass}").shuffle(order)
             got = dict.fromkeys(self.queues, 0)
-            for sample in wds.tarfile_samples([{"url": u} for u in order]):
+            for sample in tarfile_samples([{"url": u} for u in order]):
                 g = key_index(sample["__key__"]) % self.num_streams
                 if g in got:
                     got[g] += 1
