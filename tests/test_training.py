@@ -149,6 +149,33 @@ def test_param_groups_exclude_norms_biases_embeddings_and_layer_decay():
     assert torch.isfinite(torch.tensor([g["lr_scale"] for g in ld])).all()
 
 
+def test_optimizer_is_fused_adamw_and_steps_like_the_reference():
+    """build_optimizer takes torch's fused AdamW kernel on CPU; its updates match the per-tensor
+    AdamW with the same groups (weight decay only where param_groups puts it)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from pipeline.model import build_vit
+    from pipeline.train.optim import build_optimizer
+
+    torch.manual_seed(0)  # no qkv bias: the key bias has a ~0 gradient, which Adam turns into noise
+    model = build_vit("nano", patch_size=4, image_size=16, num_classes=10, depth=2, qkv_bias=False)
+    ref_model = copy.deepcopy(model)
+    kw = dict(lr=1e-2, weight_decay=0.05, min_lr=1e-4, warmup_steps=1, total_steps=5)
+    opt, _ = build_optimizer(model, **kw)
+    assert all(g["fused"] for g in opt.param_groups)
+    ref = torch.optim.AdamW(param_groups(ref_model, 0.05), lr=1e-2, foreach=False)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    for m, o in ((model, opt), (ref_model, ref)):
+        for _ in range(3):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
     """World-size invariance: same global batch and seed → same samples and augmentations per global
     step, so the first-step loss (mean over the global batch) matches on 1 and 2 workers."""

