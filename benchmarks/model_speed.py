@@ -29,7 +29,7 @@ from pipeline.model import build_vit  # noqa: E402
 
 CASES = [  # (preset, image, patch, batch, max timed steps per mode)
     ("nano", 16, 4, 128, 80),
-    ("tiny", 224, 16, 8, 16),
+    ("tiny", 224, 16, 8, 40),
 ]
 
 
@@ -90,10 +90,13 @@ def bench(runners: dict, batch: int, steps: int, budget_s: float, clock=time.per
     out = {}
     for n in names:
         ts = sorted(times[n])
+        ratios = [t / o for t, o in zip(times["timm"], times[n])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
         out[n] = {
             "img_s": batch / statistics.median(ts),
             "best_img_s": batch / ts[0],
-            "ratio_vs_timm": statistics.median(t / o for t, o in zip(times["timm"], times[n])),
+            "ratio_vs_timm": statistics.median(ratios),
+            "ratio_iqr": (q1, q3),
             "rounds": len(ts),
         }
     return out
@@ -138,7 +141,7 @@ def main() -> None:
             rows.append((f"{preset} {image}px/p{patch} b{batch}", mode, res, diff))
 
     print(f"\n{'case':<22} {'mode':<5} {'ours img/s':>10} {'timm img/s':>10} {'ours/timm':>9} "
-          f"{'best-case':>9} {'rounds':>6}  extra")
+          f"{'IQR':>13} {'best-case':>9} {'rounds':>6}  extra")
     for case, mode, res, diff in rows:
         o, t = res["ours"], res["timm"]
         extra = "  ".join(
@@ -147,9 +150,11 @@ def main() -> None:
         )
         print(
             f"{case:<22} {mode:<5} {o['img_s']:>10.1f} {t['img_s']:>10.1f} {o['ratio_vs_timm']:>8.3f}x "
+            f"{o['ratio_iqr'][0]:>6.3f}-{o['ratio_iqr'][1]:.3f} "
             f"{o['best_img_s'] / t['best_img_s']:>8.3f}x {o['rounds']:>6}  {extra}"
         )
-    print("\nimg/s = batch / median step time; ours/timm = median of paired per-round speed ratios;")
+    print("\nimg/s = batch / median step time; ours/timm = median of paired per-round speed ratios")
+    print("(IQR: their interquartile range, the noise of this run);")
     print("best-case = ratio of the fastest steps. Train step = forward + backward + fused AdamW step.")
     print(f"max |logit diff| ours vs timm (same weights): {max(r[3] for r in rows):.2e}")
 
