@@ -33,8 +33,15 @@ def sample_images(shard_dir, n: int, image_size: int, normalize: dict) -> torch.
 def export_torchscript(model: VisionTransformer, example: torch.Tensor, path: Path) -> None:
     with warnings.catch_warnings():  # shape checks become constants: intended, the size is fixed
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # "torch.jit is deprecated": the format is asked for
         traced = torch.jit.trace(model, example[:2], check_trace=False)
     traced.save(str(path))
+
+
+def load_torchscript(path: Path) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.jit.load(str(path))
 
 
 def export_onnx(model: VisionTransformer, example: torch.Tensor, path: Path, opset: int) -> None:
@@ -83,7 +90,7 @@ def export(params: Params) -> dict:
                 elif fmt == "torchscript":
                     export_torchscript(model, images, tmp / "model.torchscript.pt")
                     with torch.no_grad():
-                        results[fmt] = _compare(reference, torch.jit.load(str(tmp / "model.torchscript.pt"))(images))
+                        results[fmt] = _compare(reference, load_torchscript(tmp / "model.torchscript.pt")(images))
                 elif fmt == "onnx":
                     import onnxruntime as ort
                     export_onnx(model, images, tmp / "model.onnx", cfg.opset)

@@ -45,7 +45,8 @@ class Predictor:
             sess = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
             self._run = lambda x: sess.run(None, {"images": x.numpy()})[0]
         elif fmt == "torchscript":
-            module = torch.jit.load(str(model_dir / "model.torchscript.pt"))
+            from pipeline.export import load_torchscript
+            module = load_torchscript(model_dir / "model.torchscript.pt")
             self._run = lambda x: module(x).detach().numpy()
         elif fmt == "safetensors":
             from pipeline.model import load_model

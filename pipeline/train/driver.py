@@ -94,6 +94,8 @@ def init_ray(params: Params) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
+        if not params.ray.verbose:  # "token auth enabled by default": moot for a 127.0.0.1-only cluster
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls.
         need = params.ray.num_workers * params.ray.cpus_per_worker
         ray.init(num_cpus=max(need, os.cpu_count() or 1), include_dashboard=True,
