@@ -253,7 +253,8 @@ def _divisible(size_key: str, size: int, patch_key: str, patch: int) -> None:
 
 def validate(p: Params) -> Params:
     """Cross-field checks that a type check alone cannot catch."""
-    from pipeline.model import PRESETS  # local import: config stays importable without torch
+    from pipeline.data.transforms import resolve_augment  # local imports: config stays importable without torch
+    from pipeline.model import PRESETS
 
     for name in ("pretrain", "finetune"):
         d: DataConfig = getattr(p.data, name)
@@ -299,6 +300,10 @@ def validate(p: Params) -> Params:
         for k in ("max_worker_batch", "checkpoint_every_steps", "log_every_steps"):
             if getattr(t, k) is not None:
                 _positive(f"{stage}.{k}", getattr(t, k))
+        try:
+            resolve_augment(t.augment, allow_dataset=True)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{stage}.{exc}" if str(exc).startswith("augment") else f"{stage}.augment: {exc}") from None
         if t.mixup_alpha < 0 or t.cutmix_alpha < 0:
             raise ConfigError(f"{stage}.mixup_alpha / cutmix_alpha must be >= 0 (0 turns them off)")
         if t.global_batch_size % p.ray.num_workers:

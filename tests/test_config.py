@@ -37,12 +37,21 @@ def test_repo_params_load():
     ({"pretrain.global_batch_size": 63}, ["pretrain.global_batch_size", "63", "ray.num_workers=2"]),
     ({"evaluate.resolutions": [32, 33]}, ["evaluate.resolutions[1]", "33"]),
     ({"export.formats": ["onnx", "tflite"]}, ["export.formats[1]", "tflite", "torchscript"]),
+    ({"finetune.augment": {"mean": [0.5, 0.5]}}, ["finetune.augment.mean", "[0.5, 0.5]", "3 numbers", "'dataset'"]),
+    ({"pretrain.augment": {"mean": "datset"}}, ["pretrain.augment.mean", "'datset'", "'dataset'"]),
+    ({"pretrain.augment": {"hlfip": 0.5}}, ["pretrain.augment", "hlfip", "hflip"]),
+    ({"finetune.augment": {"auto_augment": "autoaugment"}}, ["finetune.augment.auto_augment", "randaugment"]),
 ])
 def test_bad_values_name_key_value_and_valid(override, needles):
     with pytest.raises(ConfigError) as err:
         load_params(ROOT / "params.yaml", overrides=override)
     for n in needles:
         assert n in str(err.value), (n, str(err.value))
+
+
+def test_augment_dataset_stats_accepted():
+    p = load_params(ROOT / "params.yaml", overrides={"finetune.augment": {"mean": "dataset", "std": "dataset"}})
+    assert p.finetune.augment == {"mean": "dataset", "std": "dataset"}
 
 
 def test_float_accepts_int_and_yaml_exponent(tmp_path):

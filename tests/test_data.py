@@ -98,11 +98,11 @@ def test_atomic_on_failure(tmp_path, monkeypatch):
     calls = {"n": 0}
     real = shard_mod.prepare
 
-    def flaky(rec, max_side):
+    def flaky(rec, max_side, **kw):
         calls["n"] += 1
         if calls["n"] == 700:
             raise RuntimeError("boom mid-way")
-        return real(rec, max_side)
+        return real(rec, max_side, **kw)
 
     monkeypatch.setattr(shard_mod, "prepare", flaky)
     with pytest.raises(RuntimeError, match="boom"):
@@ -113,7 +113,7 @@ def test_atomic_on_failure(tmp_path, monkeypatch):
 def test_atomic_failure_keeps_previous_output(tmp_path, monkeypatch):
     out = tmp_path / "out"
     first = shard_dataset(out, source="digits", maxcount=1000)
-    monkeypatch.setattr(shard_mod, "prepare", lambda rec, ms: (_ for _ in ()).throw(KeyError("x")))
+    monkeypatch.setattr(shard_mod, "prepare", lambda rec, ms, **kw: (_ for _ in ()).throw(KeyError("x")))
     with pytest.raises(KeyError):
         shard_dataset(out, source="digits", maxcount=10)
     assert read_dataset_info(out) == first
@@ -849,3 +849,45 @@ def test_sample_transform_equals_torchvision_ops(interp):
             ref, flips = F.horizontal_flip(ref), flips + 1
         assert torch.equal(t.apply(x, seed), ref), seed
     assert 0 < flips < 20
+
+
+# --- pixel stats (augment.mean / std: dataset) ------------------------------------------------
+
+def _decoded_stats(out: Path) -> tuple[np.ndarray, np.ndarray]:
+    import io
+    from PIL import Image
+    from pipeline.data import tario
+    info = read_dataset_info(out)
+    pixels = np.concatenate([
+        np.asarray(Image.open(io.BytesIO(s.get("jpg") or s["png"])).convert("RGB"), dtype=np.float64).reshape(-1, 3)
+        for s in tario.tarfile_samples([{"url": str(out / sh["name"])} for sh in info["shards"]["train"]])]) / 255
+    return pixels.mean(0), pixels.std(0)
+
+
+def test_pixel_stats_are_the_train_split_stats(tmp_path):
+    """dataset.json's pixel_stats equal mean/std over every pixel of the decoded train tars."""
+    root = make_imagefolder(tmp_path / "src", per_class=9)
+    out = tmp_path / "out"
+    info = shard_dataset(out, source="imagefolder", root=root, val_fraction=0.2, test_fraction=0.2, seed=1)
+    mean, std = _decoded_stats(out)
+    assert info["pixel_stats"]["split"] == "train"
+    np.testing.assert_allclose(info["pixel_stats"]["mean"], mean, atol=2e-6)
+    np.testing.assert_allclose(info["pixel_stats"]["std"], std, atol=2e-6)
+    assert len(set(info["pixel_stats"]["mean"])) == 3  # colour images: the channels differ
+
+
+def test_augment_dataset_normalisation(digits_dir):
+    from pipeline.data.transforms import BatchFinish, resolve_augment, with_dataset_stats
+    info = read_dataset_info(digits_dir)
+    aug = with_dataset_stats({"mean": "dataset", "std": "dataset", "hflip": 0.0}, info)
+    assert aug == {"mean": info["pixel_stats"]["mean"], "std": info["pixel_stats"]["std"], "hflip": 0.0}
+    assert with_dataset_stats({"mean": [0.1, 0.2, 0.3]}, {}) == {"mean": [0.1, 0.2, 0.3]}  # nothing to resolve
+    (x, _), = list(make_eval_loader(digits_dir, "train", batch_size=2000, image_size=8, rank=0, world_size=1,
+                                    augment=aug))
+    np.testing.assert_allclose(x.mean((0, 2, 3)), 0.0, atol=1e-4)  # train split standardised per channel
+    np.testing.assert_allclose(x.std((0, 2, 3)), 1.0, atol=1e-3)
+    with pytest.raises(ValueError, match="re-run the shard stage"):
+        with_dataset_stats({"std": "dataset"}, {"classes": []})
+    with pytest.raises(ValueError, match="augment.mean must be 3 numbers .* or 'dataset'"):
+        BatchFinish({"mean": "dataset"}, train=True)  # unresolved: loaders need numbers
+    assert resolve_augment({"mean": "dataset"}, allow_dataset=True)["mean"] == "dataset"

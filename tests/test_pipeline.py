@@ -256,12 +256,13 @@ def test_dvc_reruns_only_what_a_param_change_touches(repro):
 
 
 def test_dvc_exp_run_patch_and_resolution(repro):
-    """The README's experiment: new patch size and fine-tune resolution, seen by dvc exp show and MLflow."""
+    """The README's experiment: new patch size and fine-tune resolution, seen by dvc exp show and MLflow;
+    normalisation from the fine-tune set's pixel stats reaches the exported model's config."""
     from mlflow.tracking import MlflowClient
 
     repo, _ = repro
-    proc = run(["dvc", "exp", "run", "-n", "p8-r48", "-S", "model.patch_size=8", "-S", "finetune.image_size=48"],
-               repo)
+    proc = run(["dvc", "exp", "run", "-n", "p8-r48", "-S", "model.patch_size=8", "-S", "finetune.image_size=48",
+                "-S", "++finetune.augment.mean=dataset", "-S", "++finetune.augment.std=dataset"], repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     show = run(["dvc", "exp", "show", "--json"], repo, timeout=120)
     assert show.returncode == 0
@@ -270,6 +271,9 @@ def test_dvc_exp_run_patch_and_resolution(repro):
     assert "p8-r48" in names, show.stdout[:2000]
     metrics = json.loads((repo / "metrics/evaluate.json").read_text())
     assert set(metrics["resolution_sweep"]) == {"24", "32"} and 0 <= metrics["top1"] <= 1
+    stats = json.loads((repo / "data/shards/finetune/dataset.json").read_text())["pixel_stats"]
+    normalize = json.loads((repo / "exports/config.json").read_text())["normalize"]
+    assert normalize == {"mean": stats["mean"], "std": stats["std"]} and normalize["mean"] != [0.5] * 3
     client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
     exp = client.get_experiment_by_name("vit-pipeline")
     ft = client.search_runs([exp.experiment_id], "tags.stage = 'finetune' and params.`model.patch_size` = '8'")

@@ -45,11 +45,18 @@ def _encode(img: Image.Image, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def prepare(rec: Record, max_side: Optional[int]) -> tuple[str, bytes]:
-    """Return (extension, bytes) for one record; raise BadImage if it does not decode.
+def pixel_sums(img: Image.Image) -> np.ndarray:
+    """``[3, 3]``: per RGB channel, the pixel count, sum and sum of squares (values in [0, 1])."""
+    x = np.asarray(img if img.mode == "RGB" else img.convert("RGB"), dtype=np.float64).reshape(-1, 3) / 255.0
+    return np.stack([np.full(3, float(len(x))), x.sum(0), np.square(x).sum(0)])
+
+
+def prepare(rec: Record, max_side: Optional[int], stats: bool = False):
+    """Return (extension, bytes, pixel sums or None) for one record; raise BadImage if it does not decode.
 
     Encoded JPEG/PNG inputs are verified by a full decode but written unchanged unless
-    ``max_side`` forces a downscale; arrays are PNG-encoded (lossless).
+    ``max_side`` forces a downscale; arrays are PNG-encoded (lossless). ``stats`` adds
+    :func:`pixel_sums` of the stored image (for ``augment.mean/std: dataset``).
     """
     data = rec.load()  # FileNotFoundError etc. propagate: a missing input is a hard error
     if isinstance(data, np.ndarray):
@@ -71,7 +78,7 @@ def prepare(rec: Record, max_side: Optional[int]) -> tuple[str, bytes]:
         fmt, raw = "PNG", None
         if img.mode not in ("1", "L", "LA", "I", "P", "RGB", "RGBA"):
             img = img.convert("RGB")
-    return KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt)
+    return KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt), pixel_sums(img) if stats else None
 
 
 class _SplitWriter:
@@ -130,9 +137,11 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
     allowed_bad = int(max_bad_fraction * plan.total)
     rows: dict[str, list] = {name: [] for name in MANIFEST_SCHEMA.names}
 
+    sums = np.zeros((3, 3))
+
     def run(rec: Record):
         try:
-            return prepare(rec, max_side), None
+            return prepare(rec, max_side, stats=rec.split == "train"), None
         except BadImage as exn:
             return None, str(exn)
 
@@ -147,7 +156,9 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
                             f"{len(bad)} undecodable image(s) out of {plan.total} exceeds "
                             f"max_bad_fraction={max_bad_fraction}; first: {bad[0]['path']} ({bad[0]['error']})")
                     continue
-                ext, data = out
+                ext, data, img_sums = out
+                if img_sums is not None:
+                    sums += img_sums
                 key, shard = writers[rec.split].write(ext, data, rec.label)
                 class_counts[rec.split][rec.label] += 1
                 for name, v in zip(MANIFEST_SCHEMA.names,
@@ -164,7 +175,11 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
         raise ValueError(f"class(es) {empty} ended up with no decodable images")
     if not shards["train"]:
         raise ValueError("the train split is empty; check the source and the split fractions")
-    return {"shards": shards, "class_counts": class_counts, "bad_files": bad}
+    mean = sums[1] / sums[0]
+    std = np.sqrt(np.maximum(sums[2] / sums[0] - np.square(mean), 0.0))
+    pixel_stats = {"split": "train", "mean": [round(float(v), 6) for v in mean],
+                   "std": [round(float(v), 6) for v in std]}
+    return {"shards": shards, "class_counts": class_counts, "bad_files": bad, "pixel_stats": pixel_stats}
 
 
 def _check_replaceable(out: Path) -> None:
@@ -226,6 +241,7 @@ def shard_dataset(out_dir, *, source: str = "digits", root=None, seed: int = 0,
             "num_classes": len(plan.classes),
             "counts": {s: sum(sh["count"] for sh in shards[s]) for s in SPLITS},
             "class_counts": written["class_counts"],
+            "pixel_stats": written["pixel_stats"],
             "shards": shards,
             "given_splits": plan.given_splits,
             "key_format": "{split}_{index:07d}",

@@ -32,17 +32,37 @@ INTERPOLATIONS = {  # what torchvision resizes uint8 tensors with (no "area"/box
 }
 
 
-def resolve_augment(augment: Optional[dict]) -> dict[str, Any]:
-    """Merge ``augment`` over the defaults; unknown keys or bad values raise ValueError."""
+DATASET = "dataset"  # augment.mean / augment.std: the train split's pixel stats from dataset.json
+
+
+def with_dataset_stats(augment: Optional[dict], info: dict) -> dict:
+    """``augment`` with ``mean`` / ``std`` given as ``"dataset"`` replaced by dataset.json's
+    ``pixel_stats`` (per-channel, train split, computed at shard time)."""
+    augment = dict(augment or {})
+    wanted = [k for k in ("mean", "std") if augment.get(k) == DATASET]
+    if wanted and "pixel_stats" not in info:
+        raise ValueError(f"augment.{wanted[0]}: 'dataset' needs pixel_stats in dataset.json, which shards "
+                         f"written before this feature lack; re-run the shard stage")
+    return {**augment, **{k: list(info["pixel_stats"][k]) for k in wanted}}
+
+
+def resolve_augment(augment: Optional[dict], *, allow_dataset: bool = False) -> dict[str, Any]:
+    """Merge ``augment`` over the defaults; unknown keys or bad values raise ValueError.
+
+    ``mean`` / ``std`` may be ``"dataset"`` only with ``allow_dataset`` (checking params before the
+    shards exist); loaders need numbers, see :func:`with_dataset_stats`.
+    """
     augment = dict(augment or {})
     unknown = sorted(set(augment) - set(AUGMENT_DEFAULTS))
     if unknown:
         raise ValueError(f"unknown augment key(s) {unknown}; valid keys: {sorted(AUGMENT_DEFAULTS)}")
     cfg = {**AUGMENT_DEFAULTS, **{k: v for k, v in augment.items() if v is not None}}
     for key in ("mean", "std"):
-        if len(cfg[key]) != 3:
-            raise ValueError(f"augment.{key} must have 3 values (RGB), got {cfg[key]!r}")
-    if any(s <= 0 for s in cfg["std"]):
+        if cfg[key] == DATASET and allow_dataset:
+            continue
+        if isinstance(cfg[key], str) or len(cfg[key]) != 3:
+            raise ValueError(f"augment.{key} must be 3 numbers (RGB) or 'dataset', got {cfg[key]!r}")
+    if cfg["std"] != DATASET and any(s <= 0 for s in cfg["std"]):
         raise ValueError(f"augment.std must be > 0, got {cfg['std']!r}")
     rrc = cfg["random_resized_crop"]
     if rrc is not None and (len(rrc) != 2 or not 0 < rrc[0] <= rrc[1] <= 1):

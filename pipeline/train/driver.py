@@ -89,6 +89,9 @@ def init_ray(params: Params) -> None:
     for k, v in quiet.items():
         os.environ.setdefault(k, v)
     address = params.ray.address or os.environ.get("RAY_ADDRESS")
+    if not address:  # one machine, no preemptible nodes: Ray Train's preemption watcher only adds a log line
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        quiet["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
     kwargs = dict(logging_level=logging.INFO if params.ray.verbose else logging.WARNING,
                   log_to_driver=True, runtime_env={"env_vars": quiet})
     if address:

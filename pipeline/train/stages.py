@@ -1,6 +1,7 @@
 """The pretrain and finetune stages: params in, model directory + metrics + curves out."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 
 from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
+from pipeline.data.transforms import with_dataset_stats
 from pipeline.model import VisionTransformer, build_vit, convert_state_dict, load_model, save_model
 from pipeline.plots import plot_history
 from pipeline import storage
@@ -27,6 +29,7 @@ def _extra_params(params: Params, cfg: TrainConfig, model: VisionTransformer, in
 
 def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
                     shard_dir: str | Path, info: dict, extra: dict) -> dict:
+    cfg = dataclasses.replace(cfg, augment=with_dataset_stats(cfg.augment, info))  # "dataset" -> numbers
     tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")), "dataset.source": info["source"]}
     plan = plan_training(stage, params, cfg, model, str(shard_dir))
     with stage_run(stage, params, extra_params={**_extra_params(params, cfg, model, info), **extra},
