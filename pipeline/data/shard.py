@@ -45,18 +45,30 @@ def _encode(img: Image.Image, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def pixel_sums(img: Image.Image) -> np.ndarray:
-    """``[3, 3]``: per RGB channel, the pixel count, sum and sum of squares (values in [0, 1])."""
-    x = np.asarray(img if img.mode == "RGB" else img.convert("RGB"), dtype=np.float64).reshape(-1, 3) / 255.0
-    return np.stack([np.full(3, float(len(x))), x.sum(0), np.square(x).sum(0)])
+def pixel_histogram(img: Image.Image) -> np.ndarray:
+    """``[3, 256]`` counts of each 8-bit value per RGB channel: exact integer statistics, and PIL
+    computes them in C (~10 us per CIFAR image, vs ~50 us for numpy sums)."""
+    if img.mode == "L":
+        return np.tile(np.asarray(img.histogram(), dtype=np.int64), (3, 1))  # gray = R = G = B
+    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    return np.asarray(rgb.histogram(), dtype=np.int64).reshape(3, 256)
+
+
+def stats_from_histogram(hist: np.ndarray) -> dict:
+    """Per-channel mean and std (values scaled to [0, 1]) from :func:`pixel_histogram` counts."""
+    values = np.arange(256, dtype=np.float64) / 255.0
+    n = hist.sum(1)
+    mean = (hist * values).sum(1) / n
+    std = np.sqrt(np.maximum((hist * values**2).sum(1) / n - mean**2, 0.0))
+    return {"split": "train", "mean": [round(float(v), 6) for v in mean], "std": [round(float(v), 6) for v in std]}
 
 
 def prepare(rec: Record, max_side: Optional[int], stats: bool = False):
-    """Return (extension, bytes, pixel sums or None) for one record; raise BadImage if it does not decode.
+    """Return (extension, bytes, pixel histogram or None) for one record; raise BadImage if it does not decode.
 
     Encoded JPEG/PNG inputs are verified by a full decode but written unchanged unless
-    ``max_side`` forces a downscale; arrays are PNG-encoded (lossless). ``stats`` adds
-    :func:`pixel_sums` of the stored image (for ``augment.mean/std: dataset``).
+    ``max_side`` forces a downscale; arrays are PNG-encoded (lossless). ``stats`` adds the
+    :func:`pixel_histogram` of the stored image (for ``augment.mean/std: dataset``).
     """
     data = rec.load()  # FileNotFoundError etc. propagate: a missing input is a hard error
     if isinstance(data, np.ndarray):
@@ -78,7 +90,7 @@ def prepare(rec: Record, max_side: Optional[int], stats: bool = False):
         fmt, raw = "PNG", None
         if img.mode not in ("1", "L", "LA", "I", "P", "RGB", "RGBA"):
             img = img.convert("RGB")
-    return KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt), pixel_sums(img) if stats else None
+    return KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt), pixel_histogram(img) if stats else None
 
 
 class _SplitWriter:
@@ -137,7 +149,7 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
     allowed_bad = int(max_bad_fraction * plan.total)
     rows: dict[str, list] = {name: [] for name in MANIFEST_SCHEMA.names}
 
-    sums = np.zeros((3, 3))
+    hist = np.zeros((3, 256), dtype=np.int64)
 
     def run(rec: Record):
         try:
@@ -156,9 +168,9 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
                             f"{len(bad)} undecodable image(s) out of {plan.total} exceeds "
                             f"max_bad_fraction={max_bad_fraction}; first: {bad[0]['path']} ({bad[0]['error']})")
                     continue
-                ext, data, img_sums = out
-                if img_sums is not None:
-                    sums += img_sums
+                ext, data, img_hist = out
+                if img_hist is not None:
+                    hist += img_hist
                 key, shard = writers[rec.split].write(ext, data, rec.label)
                 class_counts[rec.split][rec.label] += 1
                 for name, v in zip(MANIFEST_SCHEMA.names,
@@ -175,11 +187,8 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
         raise ValueError(f"class(es) {empty} ended up with no decodable images")
     if not shards["train"]:
         raise ValueError("the train split is empty; check the source and the split fractions")
-    mean = sums[1] / sums[0]
-    std = np.sqrt(np.maximum(sums[2] / sums[0] - np.square(mean), 0.0))
-    pixel_stats = {"split": "train", "mean": [round(float(v), 6) for v in mean],
-                   "std": [round(float(v), 6) for v in std]}
-    return {"shards": shards, "class_counts": class_counts, "bad_files": bad, "pixel_stats": pixel_stats}
+    return {"shards": shards, "class_counts": class_counts, "bad_files": bad,
+            "pixel_stats": stats_from_histogram(hist)}
 
 
 def _check_replaceable(out: Path) -> None:
