@@ -95,6 +95,23 @@ def test_cls_forward_shortcut_matches_full_path():
         torch.testing.assert_close(fast[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_inference_in_place_path_matches_autograd_path(pool):
+    """Without grad, GELU and the MLP residual run in place: same outputs, caller's tensors untouched."""
+    model = _perturb(nano(pool=pool)).eval()
+    x = torch.randn(4, 3, 16, 16)
+    with_grad = model(x)
+    tokens = torch.randn(4, 17, model.config.embed_dim)
+    before = tokens.clone()
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), with_grad.detach(), rtol=0, atol=0)
+        block_out = model.blocks[0](tokens)
+        mlp_out = model.blocks[0].mlp(tokens)
+    assert torch.equal(tokens, before)  # inputs are never overwritten
+    torch.testing.assert_close(block_out, model.blocks[0](tokens).detach(), rtol=0, atol=0)
+    torch.testing.assert_close(mlp_out, model.blocks[0].mlp(tokens).detach(), rtol=0, atol=0)
+
+
 def test_mean_pool_averages_patch_tokens_only():
     model = nano(pool="mean").eval()
     tokens = torch.randn(2, 17, 64)

