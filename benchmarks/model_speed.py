@@ -112,6 +112,8 @@ def main() -> None:
     )
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(ours) (slow first call)")
     ap.add_argument("--cases", default="nano,tiny", help="comma-separated presets from CASES")
+    ap.add_argument("--rounds", type=int, default=None, help="timed train rounds per case (infer: 2x); "
+                    "default: CASES' figure. More rounds narrow the median on a noisy machine")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.threads != 1:
@@ -136,7 +138,7 @@ def main() -> None:
         for mode in ("train", "infer"):
             make = (lambda m: train_runner(m, x, y)) if mode == "train" else (lambda m: infer_runner(m, x))
             runners = {n: make(m) for n, m in models.items()}
-            n_steps = steps if mode == "train" else 2 * steps
+            n_steps = (args.rounds or steps) * (1 if mode == "train" else 2)
             res = bench(runners, batch, n_steps, args.budget, clock)
             rows.append((f"{preset} {image}px/p{patch} b{batch}", mode, res, diff))
 
