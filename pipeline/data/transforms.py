@@ -4,13 +4,13 @@ Validation lives here so a typo in ``augment`` fails when the loader is built, n
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
-from torchvision import transforms as v1
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
@@ -143,6 +143,7 @@ def _interpolate(img: torch.Tensor, size: int, interp: InterpolationMode) -> tor
                                            antialias=not nearest)[0]
 
 
+@functools.cache  # one check per mode and process, not one per loader built
 def _direct_resize_matches(interp: InterpolationMode) -> bool:
     """Whether torch's uint8 kernel, called directly, gives ``F.resize_image``'s exact pixels here
     (it does where torchvision itself uses it: CPU builds with native uint8 resize); skipping

@@ -10,7 +10,7 @@ import torch
 
 from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
-from pipeline.data.transforms import with_dataset_stats
+from pipeline.data.transforms import resolve_augment, with_dataset_stats
 from pipeline.model import VisionTransformer, build_vit, convert_state_dict, load_model, save_model
 from pipeline.plots import plot_history
 from pipeline import storage
@@ -39,7 +39,7 @@ def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionT
         summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "step") if k in final}
         out_dir = MODELS / stage
         meta = {"classes": info["classes"], "image_size": cfg.image_size,
-                "normalize": {k: cfg.augment.get(k, [0.5, 0.5, 0.5]) for k in ("mean", "std")},
+                "normalize": {k: resolve_augment(cfg.augment)[k] for k in ("mean", "std")},
                 "stage": stage, "ray_run": result.run_name, "mlflow_run_id": run.info.run_id}
         save_model(result.model, out_dir, extra=meta)
         atomic_write_json(METRICS / f"{stage}.json", summary)
