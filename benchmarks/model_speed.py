@@ -9,12 +9,14 @@ pipeline's optimizer, the same for both).
     python benchmarks/model_speed.py                         # all cores, wall clock
     python benchmarks/model_speed.py --threads 1 --clock cpu # shared / busy machine
     python benchmarks/model_speed.py --compile --cases nano  # + torch.compile (slow start)
+    python benchmarks/model_speed.py --control               # + a copy of ours: the noise floor
 
 Each (case, mode) stops after ``--budget`` seconds; the default run takes ~1.5-3 min.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -111,6 +113,8 @@ def main() -> None:
         help="cpu = this thread's CPU time: immune to other processes on a shared box, exact only with --threads 1",
     )
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(ours) (slow first call)")
+    ap.add_argument("--control", action="store_true", help="also time an identical copy of ours: its "
+                    "ratio differs from ours' only by measurement noise, which shows what a run can resolve")
     ap.add_argument("--cases", default="nano,tiny", help="comma-separated presets from CASES")
     ap.add_argument("--rounds", type=int, default=None, help="timed train rounds per case (infer: 2x); "
                     "default: CASES' figure. More rounds narrow the median on a noisy machine")
@@ -133,6 +137,8 @@ def main() -> None:
         with torch.no_grad():  # sanity: same weights, same function
             models["ours"].eval(), models["timm"].eval()
             diff = (models["ours"](x) - models["timm"](x)).abs().max().item()
+        if args.control:
+            models["ours-copy"] = copy.deepcopy(models["ours"])
         if args.compile:
             models["ours+compile"] = torch.compile(make_pair(preset, image, patch)["ours"])
         for mode in ("train", "infer"):

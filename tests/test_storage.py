@@ -35,7 +35,7 @@ def _tree(d: Path) -> dict[str, bytes]:
 
 def test_push_pull_mirror_and_ray_filesystem(s3_server, local_shards, tmp_path, monkeypatch):
     url = f"s3://{s3_server.bucket}/t1/shards/pretrain"
-    stale = f"t1/shards/pretrain/train-999999.tar"
+    stale = "t1/shards/pretrain/train-999999.tar"
     s3_server.client().put_object(Bucket=s3_server.bucket, Key=stale, Body=b"old")
     names = storage.upload_dir(local_shards, url)
     assert names[-1] == "dataset.json", "the manifest must be written last"

@@ -1,0 +1,96 @@
+"""Helpers shared by the data tests: read tar keys back, build small source datasets in tmp_path."""
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.data import read_dataset_info
+
+REPO = Path(__file__).resolve().parents[1]
+CIFAR_TGZ = REPO.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
+
+
+def tar_keys(path: Path) -> list[str]:
+    """Sample keys in a tar, in order (one per image member)."""
+    with tarfile.open(path) as tf:
+        return [m.name.rsplit(".", 1)[0] for m in tf.getmembers() if not m.name.endswith(".cls")]
+
+
+def all_keys(out: Path, split: str) -> list[str]:
+    info = read_dataset_info(out)
+    return [k for sh in info["shards"][split] for k in tar_keys(out / sh["name"])]
+
+
+def img_bytes(rng, fmt: str, size=(12, 10), mode="RGB") -> bytes:
+    import io
+    from PIL import Image
+    arr = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    img = Image.fromarray(arr).convert(mode)
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
+def make_imagefolder(root: Path, classes=("cat", "dog", "eel"), per_class=8, splits=None, seed=0) -> Path:
+    rng = np.random.default_rng(seed)
+    for split in (splits or [""]):
+        for c in classes:
+            d = root / split / c
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                fmt, ext = [("JPEG", "jpg"), ("PNG", "png"), ("BMP", "bmp")][i % 3]
+                (d / f"{i:03d}.{ext}").write_bytes(img_bytes(rng, fmt))
+    return root
+
+
+def make_hf_parquet(d: Path, n=24, classes=("ant", "bee", "cow"), seed=0) -> Path:
+    """Two HF-style files: image as struct<bytes, path> (some rows path-only) and as raw bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rng = np.random.default_rng(seed)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "imgs").mkdir()
+    meta = {b"huggingface": json.dumps({"info": {"features": {
+        "image": {"_type": "Image"}, "label": {"names": list(classes), "_type": "ClassLabel"}}}}).encode()}
+    structs, labels = [], []
+    for i in range(n):
+        b = img_bytes(rng, "PNG" if i % 2 else "JPEG")
+        if i % 4 == 3:  # path-only row, resolved relative to the parquet file
+            (d / "imgs" / f"{i}.png").write_bytes(b)
+            structs.append({"bytes": None, "path": f"imgs/{i}.png"})
+        else:
+            structs.append({"bytes": b, "path": f"orig_{i}.jpg"})
+        labels.append(i % len(classes))
+    t1 = pa.table({"image": structs, "label": pa.array(labels, pa.int64())})
+    pq.write_table(t1.replace_schema_metadata(meta), d / "part-0.parquet")
+    raw = [img_bytes(rng, "PNG") for _ in range(n)]
+    t2 = pa.table({"image": pa.array(raw, pa.binary()), "label": pa.array(labels, pa.int32())})
+    pq.write_table(t2.replace_schema_metadata(meta), d / "part-1.parquet", row_group_size=5)
+    return d
+
+
+def make_fake_cifar(root: Path, hundred=False, per_file=20, seed=0) -> Path:
+    """The real python-pickle layout (bytes keys, uint8 rows of 3072 in CHW order)."""
+    import pickle
+    rng = np.random.default_rng(seed)
+    if hundred:
+        d, n_cls, files, meta = root / "cifar-100-python", 100, ["train", "test"], "meta"
+        names_key, labels_key = "fine_label_names", "fine_labels"
+    else:
+        d, n_cls = root / "cifar-10-batches-py", 10
+        files, meta = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], "batches.meta"
+        names_key, labels_key = "label_names", "labels"
+    d.mkdir(parents=True)
+    for f in files:
+        n = per_file * (5 if hundred and f == "train" else 1)
+        batch = {b"batch_label": f.encode(), labels_key.encode():
+                 [i % n_cls for i in range(n)], b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"filenames": [f"img_{f}_{i}.png".encode() for i in range(n)]}
+        with open(d / f, "wb") as fh:
+            pickle.dump(batch, fh)
+    with open(d / meta, "wb") as fh:
+        pickle.dump({names_key.encode(): [f"c{i}".encode() for i in range(n_cls)]}, fh)
+    return root

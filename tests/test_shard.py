@@ -1,0 +1,342 @@
+"""Shard stage: every source into real WebDataset tars + manifest, read back; errors; atomic writes."""
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
+from pipeline.data import shard as shard_mod
+from tests.data_helpers import CIFAR_TGZ, img_bytes, make_fake_cifar, make_hf_parquet, make_imagefolder, tar_keys
+
+
+def test_digits_counts_and_each_sample_once(digits_dir):
+    info = read_dataset_info(digits_dir)
+    assert info["classes"] == [str(i) for i in range(10)]
+    assert sum(info["counts"].values()) == 1797
+    assert info["counts"] == {"train": 1257, "val": 180, "test": 360}
+    keys = []
+    sources = []
+    for split in ("train", "val", "test"):
+        assert sum(sh["count"] for sh in info["shards"][split]) == info["counts"][split]
+        for sh in info["shards"][split]:
+            k = tar_keys(digits_dir / sh["name"])
+            assert len(k) == sh["count"] <= 200
+            keys += k
+    assert len(keys) == len(set(keys)) == 1797
+    import pyarrow.parquet as pq
+    manifest = pq.read_table(digits_dir / "manifest.parquet").to_pydict()
+    assert sorted(manifest["key"]) == sorted(keys)
+    sources = manifest["source_path"]
+    assert len(set(sources)) == 1797  # every source image written exactly once
+    # stratified: every class in every split
+    for split in ("train", "val", "test"):
+        assert all(c > 0 for c in info["class_counts"][split])
+
+
+def test_digits_tar_contents(digits_dir):
+    info = read_dataset_info(digits_dir)
+    with tarfile.open(digits_dir / info["shards"]["test"][0]["name"]) as tf:
+        members = tf.getmembers()
+        assert {m.name.rsplit(".", 1)[1] for m in members} == {"png", "cls"}
+        assert all(m.mtime == 0 and m.uid == 0 and m.gid == 0 and m.uname == "root" for m in members)
+        from PIL import Image
+        import io
+        img = Image.open(io.BytesIO(tf.extractfile(members[1] if members[1].name.endswith("png")
+                                                   else members[0]).read()))
+        assert img.size == (8, 8) and img.mode == "L"
+        assert np.asarray(img).max() > 200  # scaled from 0..16 to 0..255
+
+
+def test_byte_identical_rerun(tmp_path):
+    a = shard_dataset(tmp_path / "a", source="digits", maxcount=500, seed=3)
+    b = shard_dataset(tmp_path / "b", source="digits", maxcount=500, seed=3)
+    assert a["shards"] == b["shards"]
+    for split in a["shards"]:
+        for sh in a["shards"][split]:
+            assert (tmp_path / "a" / sh["name"]).read_bytes() == (tmp_path / "b" / sh["name"]).read_bytes()
+    c = shard_dataset(tmp_path / "c", source="digits", maxcount=500, seed=4)
+    assert c["shards"]["train"][0]["sha256"] != a["shards"]["train"][0]["sha256"]
+
+
+def test_rerun_replaces_old_output(tmp_path):
+    out = tmp_path / "out"
+    shard_dataset(out, source="digits", maxcount=100)
+    assert len(read_dataset_info(out)["shards"]["train"]) == 13
+    shard_dataset(out, source="digits", maxcount=1000)
+    assert sorted(p.name for p in out.glob("train-*.tar")) == ["train-000000.tar", "train-000001.tar"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_atomic_on_failure(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = shard_mod.prepare
+
+    def flaky(rec, max_side, **kw):
+        calls["n"] += 1
+        if calls["n"] == 700:
+            raise RuntimeError("boom mid-way")
+        return real(rec, max_side, **kw)
+
+    monkeypatch.setattr(shard_mod, "prepare", flaky)
+    with pytest.raises(RuntimeError, match="boom"):
+        shard_dataset(tmp_path / "out", source="digits", maxcount=100)
+    assert list(tmp_path.iterdir()) == []  # no out_dir, no temp dir
+
+
+def test_atomic_failure_keeps_previous_output(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    first = shard_dataset(out, source="digits", maxcount=1000)
+    monkeypatch.setattr(shard_mod, "prepare", lambda rec, ms, **kw: (_ for _ in ()).throw(KeyError("x")))
+    with pytest.raises(KeyError):
+        shard_dataset(out, source="digits", maxcount=10)
+    assert read_dataset_info(out) == first
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_refuses_to_replace_foreign_dir(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="dataset.json"):
+        shard_dataset(tmp_path, source="digits")
+    assert (tmp_path / "precious.txt").exists()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(source="nope"), "valid"),
+    (dict(val_fraction=0.6, test_fraction=0.5), "< 1"),
+    (dict(maxcount=0), "maxcount"),
+])
+def test_bad_params(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        shard_dataset(tmp_path / "x", **kw)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_imagefolder_keeps_bytes_and_reencodes_others(tmp_path):
+    root = make_imagefolder(tmp_path / "src")
+    (root / "cat" / "notes.txt").write_text("not an image: ignored")
+    out = tmp_path / "out"
+    info = shard_dataset(out, source="imagefolder", root=root, maxcount=5)
+    assert info["classes"] == ["cat", "dog", "eel"] and sum(info["counts"].values()) == 24
+    import pyarrow.parquet as pq
+    manifest = pq.read_table(out / "manifest.parquet").to_pylist()
+    members = {}
+    for split in info["shards"]:
+        for sh in info["shards"][split]:
+            with tarfile.open(out / sh["name"]) as tf:
+                members.update({m.name: tf.extractfile(m).read() for m in tf.getmembers()})
+    assert len(manifest) == 24
+    for row in manifest:
+        src = root / row["source_path"]
+        if src.suffix in (".jpg", ".png"):
+            assert members[f"{row['key']}.{src.suffix[1:]}"] == src.read_bytes()  # no re-encode
+        else:  # BMP -> PNG
+            assert f"{row['key']}.png" in members
+        assert members[f"{row['key']}.cls"] == str(row["label"]).encode()
+        assert info["classes"][row["label"]] == src.parent.name
+
+
+def test_imagefolder_given_splits_and_val_carve(tmp_path):
+    root = make_imagefolder(tmp_path / "src", per_class=10, splits=["train", "test"])
+    info = shard_dataset(tmp_path / "out", source="imagefolder", root=root, val_fraction=0.2,
+                         test_fraction=0.5)  # test_fraction ignored: test is given
+    assert info["given_splits"] == ["test", "train"]
+    assert info["counts"] == {"train": 24, "val": 6, "test": 30}
+    assert info["class_counts"]["val"] == [2, 2, 2]
+
+
+def test_imagefolder_max_side(tmp_path):
+    root = tmp_path / "src"
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    rng = np.random.default_rng(0)
+    (root / "a" / "big.jpg").write_bytes(img_bytes(rng, "JPEG", size=(40, 30)))
+    (root / "b" / "small.png").write_bytes(img_bytes(rng, "PNG", size=(8, 6)))
+    out = tmp_path / "out"
+    shard_dataset(out, source="imagefolder", root=root, max_side=16, val_fraction=0, test_fraction=0)
+    import io
+    from PIL import Image
+    with tarfile.open(out / "train-000000.tar") as tf:
+        sizes = {m.name.rsplit(".", 1)[1]: Image.open(io.BytesIO(tf.extractfile(m).read())).size
+                 for m in tf.getmembers() if not m.name.endswith(".cls")}
+    assert sizes == {"jpg": (16, 12), "png": (8, 6)}
+
+
+def test_corrupt_files_skipped_and_reported(tmp_path):
+    root = make_imagefolder(tmp_path / "src", per_class=6)
+    good = (root / "cat" / "000.jpg").read_bytes()
+    (root / "cat" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (root / "dog" / "garbage.png").write_bytes(b"definitely not a png")
+    with pytest.raises(ValueError, match=r"max_bad_fraction=0.0.*(truncated|garbage)"):
+        shard_dataset(tmp_path / "strict", source="imagefolder", root=root)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    info = shard_dataset(tmp_path / "ok", source="imagefolder", root=root, max_bad_fraction=0.1)
+    bad = json.loads((tmp_path / "ok" / "bad_files.json").read_text())
+    assert sorted(b["path"] for b in bad) == ["cat/truncated.jpg", "dog/garbage.png"]
+    assert info["bad_files"] == bad and sum(info["counts"].values()) == 18
+
+
+def test_imagefolder_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        shard_dataset(tmp_path / "o", source="imagefolder", root=tmp_path / "missing")
+    (tmp_path / "file.jpg").write_bytes(b"x")
+    with pytest.raises(ValueError, match="is a file"):
+        shard_dataset(tmp_path / "o", source="imagefolder", root=tmp_path / "file.jpg")
+    root = make_imagefolder(tmp_path / "src", per_class=3)
+    (root / "empty_class").mkdir()
+    with pytest.raises(ValueError, match="empty_class is empty"):
+        shard_dataset(tmp_path / "o", source="imagefolder", root=root)
+    (root / "empty_class").rmdir()
+    with pytest.raises(ValueError, match=r"\['eel'\].*not in class_names"):
+        shard_dataset(tmp_path / "o", source="imagefolder", root=root, class_names=["cat", "dog"])
+    with pytest.raises(ValueError, match=r"\['fox'\] have no samples"):
+        shard_dataset(tmp_path / "o", source="imagefolder", root=root,
+                      class_names=["cat", "dog", "eel", "fox"])
+    assert not (tmp_path / "o").exists()
+
+
+def test_parquet_both_encodings(tmp_path):
+    src = make_hf_parquet(tmp_path / "pq")
+    info = shard_dataset(tmp_path / "out", source="parquet", root=src, maxcount=10)
+    assert info["classes"] == ["ant", "bee", "cow"]
+    assert sum(info["counts"].values()) == 48
+    loader = make_eval_loader(tmp_path / "out", "train", batch_size=64, image_size=8, rank=0,
+                              world_size=1, augment={})
+    (x, y), = list(loader)
+    assert x.shape == (info["counts"]["train"], 3, 8, 8)
+    assert np.bincount(y.numpy()).tolist() == info["class_counts"]["train"]
+
+
+def test_parquet_given_splits_and_class_names(tmp_path):
+    src = make_hf_parquet(tmp_path / "pq")
+    (src / "part-0.parquet").rename(src / "train-00000-of-00001.parquet")
+    (src / "part-1.parquet").rename(src / "test-00000-of-00001.parquet")
+    info = shard_dataset(tmp_path / "out", source="parquet", root=src, val_fraction=0.25,
+                         class_names=["A", "B", "C"])
+    assert info["classes"] == ["A", "B", "C"]
+    assert info["counts"] == {"train": 18, "val": 6, "test": 24}
+
+
+def test_parquet_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    src = make_hf_parquet(tmp_path / "pq")
+    with pytest.raises(ValueError, match=r"label 2 is unknown; valid labels are 0..1"):
+        shard_dataset(tmp_path / "o", source="parquet", root=src, class_names=["x", "y"])
+    (src / "imgs" / "3.png").unlink()
+    with pytest.raises(FileNotFoundError, match="imgs/3.png"):
+        shard_dataset(tmp_path / "o", source="parquet", root=src)
+    with pytest.raises(FileNotFoundError, match="no \\*.parquet"):
+        shard_dataset(tmp_path / "o", source="parquet", root=src / "imgs")
+    pq.write_table(pa.table({"img": [b"x"], "label": [0]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"no 'image' column; columns are \['img', 'label'\]"):
+        shard_dataset(tmp_path / "o", source="parquet", root=tmp_path / "bad.parquet")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cifar10_pickle(tmp_path):
+    import pickle
+    root = make_fake_cifar(tmp_path / "src")
+    info = shard_dataset(tmp_path / "out", source="cifar", root=root, val_fraction=0.1)
+    assert info["classes"] == [f"c{i}" for i in range(10)]
+    assert info["counts"] == {"train": 90, "val": 10, "test": 20}
+    # pixels survive exactly (PNG is lossless; CHW -> HWC handled)
+    import io
+    import pyarrow.parquet as pq
+    from PIL import Image
+    row = [r for r in pq.read_table(tmp_path / "out" / "manifest.parquet").to_pylist()
+           if r["split"] == "test"][0]
+    fname, j = row["source_path"].split(":")[0].split("#")
+    with open(root / "cifar-10-batches-py" / fname, "rb") as fh:
+        ref = pickle.load(fh, encoding="bytes")[b"data"][int(j)].reshape(3, 32, 32).transpose(1, 2, 0)
+    with tarfile.open(tmp_path / "out" / row["shard"]) as tf:
+        got = np.asarray(Image.open(io.BytesIO(tf.extractfile(f"{row['key']}.png").read())))
+    assert np.array_equal(got, ref)
+
+
+def test_cifar100_pickle_and_errors(tmp_path):
+    root = make_fake_cifar(tmp_path / "src", hundred=True, per_file=100)
+    info = shard_dataset(tmp_path / "out", source="cifar", root=root / "cifar-100-python")
+    assert len(info["classes"]) == 100 and info["counts"]["test"] == 100
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no CIFAR python batches"):
+        shard_dataset(tmp_path / "o", source="cifar", root=tmp_path / "empty")
+    with pytest.raises(ValueError, match="is a file"):
+        shard_dataset(tmp_path / "o", source="cifar", root=root / "cifar-100-python" / "meta")
+
+
+def test_fractals(tmp_path):
+    import time
+    t0 = time.perf_counter()
+    info = shard_dataset(tmp_path / "a", source="fractals", num_classes=8, samples_per_class=50,
+                         image_size=24, maxcount=100)
+    assert time.perf_counter() - t0 < 20
+    assert len(info["classes"]) == 8 and sum(info["counts"].values()) == 400
+    again = shard_dataset(tmp_path / "b", source="fractals", num_classes=8, samples_per_class=50,
+                          image_size=24, maxcount=100)
+    assert again["shards"] == info["shards"]  # seeded: byte-identical
+    (x, y), = list(make_eval_loader(tmp_path / "a", "test", batch_size=200, image_size=24, rank=0,
+                                    world_size=1, augment={"mean": [0] * 3, "std": [1] * 3}))
+    assert x.shape == (80, 3, 24, 24)
+    per_img_std = x.flatten(1).std(dim=1)
+    assert (per_img_std > 0.02).all()  # no blank renders
+
+
+@pytest.fixture(scope="module")
+def cifar10_test_dir(tmp_path_factory) -> Path:
+    if not CIFAR_TGZ.exists():
+        pytest.skip(f"shared CIFAR-10 archive not found at {CIFAR_TGZ} (../shared/data/ relative to repo)")
+    dest = tmp_path_factory.mktemp("cifar10")
+    with tarfile.open(CIFAR_TGZ) as tf:  # only the 10k test images keep this fast
+        members = [m for m in tf.getmembers() if m.name.startswith("test/")]
+        tf.extractall(dest, members=members, filter="data")
+    return dest / "test"
+
+
+def test_shared_cifar10_imagefolder(tmp_path, cifar10_test_dir):
+    out = tmp_path / "c10"
+    info = shard_dataset(out, source="imagefolder", root=cifar10_test_dir, maxcount=2000)
+    assert info["classes"] == ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
+                               "horse", "ship", "truck"]
+    assert info["counts"] == {"train": 7000, "val": 1000, "test": 2000}
+    assert info["class_counts"]["test"] == [200] * 10 and info["bad_files"] == []
+    sh = info["shards"]["test"][0]
+    with tarfile.open(out / sh["name"]) as tf:
+        names = [m.name for m in tf.getmembers()]
+    assert len(names) == 2 * sh["count"] and all(n.endswith((".jpg", ".cls")) for n in names)
+    sizes = []
+    for rank in range(2):
+        loader = make_eval_loader(out, "test", batch_size=256, image_size=32, rank=rank, world_size=2,
+                                  augment={})
+        sizes.append(sum(len(y) for _, y in loader))
+    assert sizes == [1000, 1000]
+    loader = make_train_loader(out, batch_size=128, image_size=32, steps_per_epoch=3, rank=0,
+                               world_size=2, epoch=0, seed=0,
+                               augment={"random_resized_crop": [0.5, 1.0], "hflip": 0.5})
+    assert [tuple(x.shape) for x, _ in loader] == [(128, 3, 32, 32)] * 3
+
+
+def _decoded_stats(out: Path) -> tuple[np.ndarray, np.ndarray]:
+    import io
+    from PIL import Image
+    from pipeline.data import tario
+    info = read_dataset_info(out)
+    pixels = np.concatenate([
+        np.asarray(Image.open(io.BytesIO(s.get("jpg") or s["png"])).convert("RGB"), dtype=np.float64).reshape(-1, 3)
+        for s in tario.tarfile_samples([{"url": str(out / sh["name"])} for sh in info["shards"]["train"]])]) / 255
+    return pixels.mean(0), pixels.std(0)
+
+
+def test_pixel_stats_are_the_train_split_stats(tmp_path):
+    """dataset.json's pixel_stats equal mean/std over every pixel of the decoded train tars."""
+    root = make_imagefolder(tmp_path / "src", per_class=9)
+    out = tmp_path / "out"
+    info = shard_dataset(out, source="imagefolder", root=root, val_fraction=0.2, test_fraction=0.2, seed=1)
+    mean, std = _decoded_stats(out)
+    assert info["pixel_stats"]["split"] == "train"
+    np.testing.assert_allclose(info["pixel_stats"]["mean"], mean, atol=2e-6)
+    np.testing.assert_allclose(info["pixel_stats"]["std"], std, atol=2e-6)
+    assert len(set(info["pixel_stats"]["mean"])) == 3  # colour images: the channels differ

@@ -1,0 +1,116 @@
+"""The lean tar reader against webdataset's, and the per-sample transforms against torchvision's."""
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.data import read_dataset_info
+
+
+@pytest.mark.parametrize("interp", ["nearest", "bilinear", "bicubic"])
+@pytest.mark.parametrize("rrc", [None, [0.3, 1.0]])
+def test_sample_transform_interpolations(interp, rrc):
+    from pipeline.data.transforms import SampleTransform
+    x = torch.randint(0, 256, (3, 40, 30), dtype=torch.uint8)
+    aug = {"interpolation": interp, "random_resized_crop": rrc, "auto_augment": "randaugment", "hflip": 1.0}
+    y = SampleTransform(16, aug, train=True)(x)
+    assert y.shape == (3, 16, 16) and y.dtype == torch.uint8
+    with pytest.raises(ValueError, match="valid: \\['bicubic', 'bilinear', 'nearest'\\]"):
+        SampleTransform(16, {"interpolation": "area"}, train=True)
+
+
+def _write_tar(path: Path, members: list[tuple[str, bytes]], fmt: int) -> Path:
+    import io
+    with tarfile.open(path, "w", format=fmt) as tf:
+        d = tarfile.TarInfo("a_dir")
+        d.type = tarfile.DIRTYPE
+        tf.addfile(d)
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_tario_reads_what_webdataset_reads(tmp_path, fmt):
+    """Same samples as webdataset.tarfile_samples: long names (pax / GNU / ustar prefix), non-ASCII
+    names, directories and __meta__ files skipped, empty and block-sized members."""
+    import webdataset as wds
+    from pipeline.data import tario
+    long_dir = "d" * 120
+    members = [(f"{long_dir}/s_1.jpg", b"\xff" * 700), (f"{long_dir}/s_1.cls", b"3"),
+               ("s_2.jpg", b"x" * 512), ("s_2.cls", b""), ("__meta__", b"z")]
+    if fmt != tarfile.USTAR_FORMAT:
+        members.append(("é" * 60 + "_3.txt", b"h" * 1025))  # > 100 bytes in UTF-8: needs pax / GNU
+    path = _write_tar(tmp_path / "x.tar", members, fmt)
+    ours = list(tario.tarfile_samples([{"url": str(path)}]))
+    assert ours == list(wds.tarfile_samples([{"url": str(path)}]))
+    assert [s["__key__"] for s in ours][:2] == [f"{long_dir}/s_1", "s_2"]
+    assert ours[0]["jpg"] == b"\xff" * 700 and ours[1]["cls"] == b""
+
+
+def test_tario_matches_webdataset_on_shards(digits_dir):
+    import webdataset as wds
+    from pipeline.data import tario
+    urls = [{"url": str(digits_dir / sh["name"])} for sh in read_dataset_info(digits_dir)["shards"]["train"]]
+    ours = list(tario.tarfile_samples(urls))
+    assert len(ours) == read_dataset_info(digits_dir)["counts"]["train"]
+    assert ours == list(wds.tarfile_samples(urls))
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda b: b[:1500], "truncated tar archive"),
+    (lambda b: b[:300], "truncated tar archive"),
+    (lambda b: b"", "empty file"),
+    (lambda b: b[:148] + b"0000001\0" + b[156:], "checksum mismatch"),
+    (lambda b: bytes(range(256)) * 8, "not a tar archive"),
+])
+def test_tario_bad_shards_raise_naming_the_file(digits_dir, tmp_path, damage, match):
+    from pipeline.data import tario
+    good = (digits_dir / read_dataset_info(digits_dir)["shards"]["train"][0]["name"]).read_bytes()
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(damage(good))
+    with pytest.raises(tario.TarFormatError, match=match) as err:
+        list(tario.tarfile_samples([{"url": str(bad)}]))
+    assert str(bad) in str(err.value)
+
+
+def test_crop_params_follow_torchvision_distribution():
+    """crop_params is RandomResizedCrop.get_params drawn from random.Random: same distribution."""
+    import random
+    import statistics
+    from torchvision import transforms as v1
+    from pipeline.data.transforms import crop_params
+    n, h, w = 6000, 32, 48
+    ours = [crop_params(random.Random(i), h, w, (0.08, 1.0)) for i in range(n)]
+    torch.manual_seed(0)
+    ref = [v1.RandomResizedCrop.get_params(torch.zeros(3, h, w), [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(n)]
+    for k in range(4):
+        a, b = [p[k] for p in ours], [p[k] for p in ref]
+        assert abs(statistics.mean(a) - statistics.mean(b)) < 0.06 * statistics.pstdev(b) + 0.05, k
+        assert abs(statistics.pstdev(a) - statistics.pstdev(b)) < 0.06 * statistics.pstdev(b), k
+    assert all(0 <= i and 0 <= j and i + ch <= h and j + cw <= w for i, j, ch, cw in ours)
+    assert crop_params(random.Random(1), 10, 100, (0.99, 1.0)) == (0, 43, 10, 13)  # fallback: ratio clamp
+
+
+@pytest.mark.parametrize("interp", ["nearest", "bilinear", "bicubic"])
+def test_sample_transform_equals_torchvision_ops(interp):
+    """The seeded transform is torchvision's resized_crop + horizontal_flip with crop_params' box."""
+    import random
+    from torchvision.transforms.v2 import functional as F
+    from pipeline.data.transforms import INTERPOLATIONS, SampleTransform, crop_params
+    x = torch.randint(0, 256, (3, 37, 29), dtype=torch.uint8)
+    t = SampleTransform(24, {"interpolation": interp, "random_resized_crop": [0.2, 1.0], "hflip": 0.5}, train=True)
+    flips = 0
+    for seed in range(20):
+        rng = random.Random(seed)
+        i, j, h, w = crop_params(rng, 37, 29, (0.2, 1.0))
+        ref = F.resized_crop(x, i, j, h, w, [24, 24], interpolation=INTERPOLATIONS[interp], antialias=True)
+        if rng.random() < 0.5:
+            ref, flips = F.horizontal_flip(ref), flips + 1
+        assert torch.equal(t.apply(x, seed), ref), seed
+    assert 0 < flips < 20
