@@ -10,6 +10,7 @@ pipeline's optimizer, the same for both).
     python benchmarks/model_speed.py --threads 1 --clock cpu # shared / busy machine
     python benchmarks/model_speed.py --compile --cases nano  # + torch.compile (slow start)
     python benchmarks/model_speed.py --control               # + a copy of ours: the noise floor
+    python benchmarks/model_speed.py --breakdown             # + where each step's time goes
 
 Each (case, mode) stops after ``--budget`` seconds; the default run takes ~1.5-3 min.
 """
@@ -104,6 +105,41 @@ def bench(runners: dict, batch: int, steps: int, budget_s: float, clock=time.per
     return out
 
 
+# Kernels both models run on identical shapes: their time is a floor neither can go below.
+SHARED_KERNELS = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::mkldnn_convolution", "aten::convolution_backward"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+}
+
+
+def breakdown(runners: dict, steps: int = 5) -> dict[str, dict[str, float]]:
+    """ms per step by kernel group (torch.profiler, self time; run after ``bench`` so all are warm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, step in runners.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        groups = dict.fromkeys([*SHARED_KERNELS, "other"], 0.0)
+        for ev in prof.key_averages():
+            group = next((g for g, ops in SHARED_KERNELS.items() if ev.key in ops), "other")
+            groups[group] += ev.self_cpu_time_total / 1e3 / steps
+        out[name] = groups
+    return out
+
+
+def print_breakdown(case: str, mode: str, parts: dict) -> None:
+    """Per model: ms/step in shared kernels vs the rest, and the best ratio these kernels allow."""
+    timm_total = sum(parts["timm"].values())
+    for name, g in parts.items():
+        kernels = g["matmul"] + g["attention"]
+        print(f"  {case:<22} {mode:<5} {name:<12} matmul+conv {g['matmul']:7.1f} ms  attention "
+              f"{g['attention']:6.1f} ms  other {g['other']:6.1f} ms  ({g['other'] / (kernels + g['other']):.0%})"
+              f"  | timm / (matmul+attention) = {timm_total / kernels:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=20.0, help="seconds per (case, mode) before stopping early")
@@ -115,6 +151,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(ours) (slow first call)")
     ap.add_argument("--control", action="store_true", help="also time an identical copy of ours: its "
                     "ratio differs from ours' only by measurement noise, which shows what a run can resolve")
+    ap.add_argument("--breakdown", action="store_true", help="profile each model after timing: ms/step in "
+                    "matmul/conv and attention kernels (the same for both) vs everything else")
     ap.add_argument("--cases", default="nano,tiny", help="comma-separated presets from CASES")
     ap.add_argument("--rounds", type=int, default=None, help="timed train rounds per case (infer: 2x); "
                     "default: CASES' figure. More rounds narrow the median on a noisy machine")
@@ -128,7 +166,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, cpus={os.cpu_count()}, "
           f"clock={args.clock}, load avg={load:.2f}")
 
-    rows = []
+    rows, parts = [], []
     for preset, image, patch, batch, steps in CASES:
         if preset not in args.cases.split(","):
             continue
@@ -147,6 +185,8 @@ def main() -> None:
             n_steps = (args.rounds or steps) * (1 if mode == "train" else 2)
             res = bench(runners, batch, n_steps, args.budget, clock)
             rows.append((f"{preset} {image}px/p{patch} b{batch}", mode, res, diff))
+            if args.breakdown:
+                parts.append((rows[-1][0], mode, breakdown(runners)))
 
     print(f"\n{'case':<22} {'mode':<5} {'ours img/s':>10} {'timm img/s':>10} {'ours/timm':>9} "
           f"{'IQR':>13} {'best-case':>9} {'rounds':>6}  extra")
@@ -165,6 +205,11 @@ def main() -> None:
     print("(IQR: their interquartile range, the noise of this run);")
     print("best-case = ratio of the fastest steps. Train step = forward + backward + fused AdamW step.")
     print(f"max |logit diff| ours vs timm (same weights): {max(r[3] for r in rows):.2e}")
+    if parts:
+        print("\nbreakdown (torch.profiler self time per step; the profiler adds a little per op):")
+        for case, mode, p in parts:
+            print_breakdown(case, mode, p)
+        print("timm / (matmul+attention): the ratio a model would reach if everything but these kernels cost nothing")
 
 
 if __name__ == "__main__":
