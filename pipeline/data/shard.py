@@ -54,13 +54,16 @@ def pixel_histogram(img: Image.Image) -> np.ndarray:
     return np.asarray(rgb.histogram(), dtype=np.int64).reshape(3, 256)
 
 
+STATS_SPLIT = "train"  # the split whose pixel stats dataset.json records (what training normalises by)
+
+
 def stats_from_histogram(hist: np.ndarray) -> dict:
     """Per-channel mean and std (values scaled to [0, 1]) from :func:`pixel_histogram` counts."""
     values = np.arange(256, dtype=np.float64) / 255.0
     n = hist.sum(1)
     mean = (hist * values).sum(1) / n
     std = np.sqrt(np.maximum((hist * values**2).sum(1) / n - mean**2, 0.0))
-    return {"split": "train", "mean": [round(float(v), 6) for v in mean], "std": [round(float(v), 6) for v in std]}
+    return {"split": STATS_SPLIT, "mean": [round(float(v), 6) for v in mean], "std": [round(float(v), 6) for v in std]}
 
 
 def prepare(rec: Record, max_side: Optional[int], stats: bool = False):
@@ -153,7 +156,7 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
 
     def run(rec: Record):
         try:
-            return prepare(rec, max_side, stats=rec.split == "train"), None
+            return prepare(rec, max_side, stats=rec.split == STATS_SPLIT), None
         except BadImage as exn:
             return None, str(exn)
 

@@ -38,8 +38,9 @@ def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionT
         final = result.history[-1]
         summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "step") if k in final}
         out_dir = MODELS / stage
+        aug = resolve_augment(cfg.augment)
         meta = {"classes": info["classes"], "image_size": cfg.image_size,
-                "normalize": {k: resolve_augment(cfg.augment)[k] for k in ("mean", "std")},
+                "normalize": {k: aug[k] for k in ("mean", "std")},
                 "stage": stage, "ray_run": result.run_name, "mlflow_run_id": run.info.run_id}
         save_model(result.model, out_dir, extra=meta)
         atomic_write_json(METRICS / f"{stage}.json", summary)
