@@ -20,11 +20,22 @@ _LEAKY = ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "VIT_P
           "VIT_SHARDS_URL", "AWS_ENDPOINT_URL", "AWS_PROFILE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free on 127.0.0.1 right now and not handed out before in this session.
+
+    The kernel may give a just-closed port 0 binding out again, so two calls in a row (say, for a
+    Ray head's client and agent ports) could otherwise return the same number.
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -134,14 +134,6 @@ def test_second_repro_is_a_noop(repro):
     assert "up to date" in proc.stdout.lower()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _test_images(repo: Path, n: int, out: Path) -> list[Path]:
     """The first ``n`` real test images, extracted from the finetune test shards."""
     out.mkdir(parents=True, exist_ok=True)
@@ -172,7 +164,7 @@ def test_predict_cli_good_and_bad_files(repro, tmp_path):
     assert f"error: {missing}: no such file" in proc.stderr
 
 
-def test_registered_model_serves(repro):
+def test_registered_model_serves(repro, port_factory):
     """`mlflow models serve -m models:/vit-pipeline/1` answers with the fine-tuned model's logits."""
     import time
     import urllib.request
@@ -190,7 +182,7 @@ def test_registered_model_serves(repro):
                                            augment=meta["normalize"])))
     with torch.no_grad():
         expected = model.eval()(images).numpy()
-    port = _free_port()
+    port = port_factory()
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{repo}/mlflow.db",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     server = subprocess.Popen(["mlflow", "models", "serve", "-m", "models:/vit-pipeline/1", "--env-manager", "local",
