@@ -21,6 +21,7 @@ SOURCES = ("digits", "fractals", "imagefolder", "parquet", "cifar")
 INTERP_MODES = ("nearest", "bilinear", "bicubic", "area")
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
+BACKENDS = ("ray", "local")
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,7 @@ class TrainConfig:
     max_worker_batch: Optional[int] = None
     checkpoint_every_steps: Optional[int] = None
     log_every_steps: int = 10
+    compile: bool = False
 
 
 @dataclass
@@ -133,6 +135,7 @@ class ExportConfig:
 
 @dataclass
 class RayConfig:
+    backend: str = "ray"
     address: Optional[str] = None
     num_workers: int = 2
     use_gpu: bool = False
@@ -141,6 +144,7 @@ class RayConfig:
     max_failures: int = 0
     checkpoints_to_keep: int = 2
     storage_path: Optional[str] = None
+    loader_workers: Optional[int] = None
     verbose: bool = False
 
 
@@ -286,6 +290,7 @@ def validate(p: Params) -> Params:
         _divisible(f"evaluate.resolutions[{i}]", r, ft_patch_key, p.finetune_patch_size)
     _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, INTERP_MODES)
     _choice("finetune.init_source", p.finetune.init_source, ("pipeline", "timm", "torchvision"))
+    _positive("ray.num_workers", p.ray.num_workers)
     for stage in ("pretrain", "finetune"):
         t: TrainConfig = getattr(p, stage)
         for k in ("epochs", "global_batch_size", "lr", "eval_every"):
@@ -313,8 +318,11 @@ def validate(p: Params) -> Params:
         _choice(f"export.formats[{i}]", f, EXPORT_FORMATS)
     if p.export.opset < 17:
         raise ConfigError(f"export.opset: {p.export.opset} is too old (valid: 17 or newer)")
-    _positive("ray.num_workers", p.ray.num_workers)
     _positive("ray.cpus_per_worker", p.ray.cpus_per_worker)
+    _choice("ray.backend", p.ray.backend, BACKENDS)
+    if p.ray.loader_workers is not None and p.ray.loader_workers < 0:
+        raise ConfigError(f"ray.loader_workers: {p.ray.loader_workers!r} must be >= 0 (0: load in the training "
+                          f"process) or null (ray.cpus_per_worker - 1)")
     _positive("evaluate.batch_size", p.evaluate.batch_size)
     return p
 

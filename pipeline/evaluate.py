@@ -17,6 +17,7 @@ from pipeline.metrics import attention_rollout, classification_metrics, confusio
 from pipeline.model import ViTConfig, VisionTransformer, attention_maps, load_model
 from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.tracking import stage_run
+from pipeline.train.driver import world_size
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text
 
 
@@ -43,11 +44,16 @@ def _predict_rank(state: dict, config: dict, shard_dir: str, split: str, kwargs:
 
 def distributed_predict(model: VisionTransformer, shard_dir, split: str, params: Params, *, image_size: int,
                         normalize: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split ``split`` over ``ray.num_workers`` Ray tasks (the eval loader's exact-once split)."""
-    import ray
-
-    world = params.ray.num_workers
+    """Split ``split`` over ``ray.num_workers`` Ray tasks (the eval loader's exact-once split); in this
+    process with ``ray.backend: local``."""
     kwargs = {"image_size": image_size, "batch_size": params.evaluate.batch_size, "normalize": normalize}
+    if params.ray.backend == "local":
+        return predict_split(model, shard_dir, split, **kwargs)
+    import ray
+    from pipeline.cluster import init_ray
+
+    init_ray(params.ray)
+    world = params.ray.num_workers
     state = ray.put({k: v.detach().cpu() for k, v in model.state_dict().items()})
     task = ray.remote(_predict_rank).options(num_cpus=params.ray.cpus_per_worker,
                                              num_gpus=params.ray.gpus_per_worker if params.ray.use_gpu else 0)
@@ -104,16 +110,13 @@ def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path
 
 
 def evaluate(params: Params) -> dict:
-    from pipeline.train.driver import init_ray
-
     shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)
     model, meta = load_model(MODELS / "finetune")
     size, normalize, classes = meta["image_size"], meta["normalize"], meta["classes"]
     with stage_run("evaluate", params, extra_params={"model_size": params.model.preset, "image_size": size,
                                                      "patch_size": model.config.patch_size[0],
-                                                     "world_size": params.ray.num_workers}):
-        init_ray(params)
+                                                     "world_size": world_size(params.ray)}):
         logits, labels = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
         check_exactly_once(labels, info, "test")
         metrics = classification_metrics(logits, labels)
@@ -140,6 +143,6 @@ def evaluate(params: Params) -> dict:
             mlflow.log_artifact(str(PLOTS / name))
         mlflow.log_artifact(str(METRICS / "evaluate.json"))
     print(f"[evaluate] test top-1 {metrics['top1']:.4f}, top-5 {metrics['top5']:.4f}, loss {metrics['loss']:.4f} "
-          f"on {metrics['num_samples']} images ({params.ray.num_workers} workers); top-1 by resolution "
+          f"on {metrics['num_samples']} images ({world_size(params.ray)} workers); top-1 by resolution "
           f"{ {r: round(v, 4) for r, v in metrics['resolution_sweep'].items()} }; pictures in {PLOTS}/", flush=True)
     return metrics

@@ -201,3 +201,37 @@ def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
         losses[workers] = history
     assert losses[1][1] == pytest.approx(losses[2][1], rel=1e-5, abs=1e-6)
     assert losses[1][2] == pytest.approx(losses[2][2], rel=1e-3)  # after one identical update
+
+
+def test_local_runner_and_one_ray_worker_agree_and_resume_each_other(tmp_path_factory, tmp_path, monkeypatch):
+    """``ray.backend: local`` runs the same loop in-process: the same first-step loss as a 1-worker
+    Ray run, and either runner continues the other's interrupted run from its checkpoint."""
+    from mlflow.tracking import MlflowClient
+
+    first_loss = {}
+    for first, then in (("ray", "local"), ("local", "ray")):
+        def edit(raw, backend=first):
+            raw = short_run(raw)
+            raw["pretrain"].update(epochs=1, log_every_steps=1)
+            raw["ray"].update(num_workers=1, backend=backend)
+            return raw
+
+        repo = make_repo(tmp_path_factory.mktemp(f"{first}-then-{then}"), edit=edit)
+        assert run(["python", "-m", "stages.shard", "pretrain"], repo).returncode == 0
+        monkeypatch.setenv("VIT_FAULT", f"raise@7:{tmp_path / first}")
+        proc = run(["python", "-m", "stages.pretrain"], repo)
+        assert proc.returncode != 0 and (tmp_path / first).exists(), proc.stdout[-2000:]
+        set_params(repo, **{"ray.backend": then})
+        proc = run(["python", "-m", "stages.pretrain"], repo)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "resumed from checkpoint: epoch 0, batch 5, step 5" in proc.stdout
+        assert ("in-process: 1 worker(s)" if then == "local" else "Ray Train: 1 worker(s)") in proc.stdout
+        rows, summary = final_state(repo)
+        assert summary["step"] == STEPS_PER_EPOCH and [int(r["epoch"]) for r in rows] == [1]
+        client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+        (r,) = client.search_runs([client.get_experiment_by_name("vit-pipeline").experiment_id],
+                                  "tags.stage = 'pretrain'")  # both launches logged into one MLflow run
+        history = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "train_loss_step")}
+        assert set(history) == set(range(1, STEPS_PER_EPOCH + 1))
+        first_loss[first] = history[1]
+    assert first_loss["ray"] == pytest.approx(first_loss["local"], rel=1e-6)

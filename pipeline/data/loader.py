@@ -5,7 +5,9 @@ Train: world-size invariant. Samples flow through ``num_streams`` virtual stream
 and every sample's augmentation is seeded by (seed, epoch, pass, key). So W = 1 and W = 2 runs
 with the same global batch, seed and num_streams see the same samples, with the same pixels, in
 every global step. Every rank yields exactly ``steps_per_epoch`` full batches (streams cycle), and
-ranks read disjoint shards when there are at least num_streams of them.
+ranks read disjoint shards when there are at least num_streams of them. DataLoader workers take
+turns at whole steps, so any worker count gives the same batches. Workers ship uint8 pixels; the
+training device converts, normalises and finishes the augmentation (:mod:`.device_augment`).
 Eval: every sample of a split exactly once across ranks. Readers (rank x worker) split at shard
 level when there are enough shards, else by key index modulo the number of readers, so a small
 split still divides exactly.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from itertools import islice
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import webdataset as wds
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.io import ImageReadMode, decode_image
 
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
+from .device_augment import DeviceAugment
 from .tario import tarfile_samples
 from .transforms import BatchFinish, SampleTransform
 
@@ -106,21 +109,10 @@ def decode_sample(sample: dict) -> tuple[torch.Tensor, int]:
     return img, int(sample["cls"])
 
 
-class _Collate:
-    """Stack uint8 samples, then normalise (and erase) once per batch."""
-
-    def __init__(self, finish: BatchFinish):
-        self.finish = finish
-
-    def __call__(self, samples):
-        images, labels = zip(*samples)
-        return self.finish(torch.stack(images)), torch.tensor([int(x) for x in labels], dtype=torch.int64)
-
-
-def _concat(samples):
-    """Re-batching already-normalised samples in the main process (eval with workers)."""
+def _collate(samples):
+    """Stack uint8 samples (normalised later, once per batch, on the device)."""
     images, labels = zip(*samples)
-    return torch.stack(images), torch.stack(labels)
+    return torch.stack(images), torch.tensor([int(x) for x in labels], dtype=torch.int64)
 
 
 class _Loader:
@@ -151,12 +143,12 @@ def _shards(shard_dir, split: str) -> tuple[list[str], list[dict]]:
     return [_join(shard_dir, s["name"]) for s in shards], shards
 
 
-def _pipeline(stream, image_size, augment, batch_size, *, train: bool):
+def _eval_pipeline(stream, image_size, augment, batch_size):
     return wds.DataPipeline(
         stream,
         wds.map(decode_sample),
-        wds.map_tuple(SampleTransform(image_size, augment, train), None),
-        wds.batched(batch_size, collation_fn=_Collate(BatchFinish(augment, train)), partial=not train))
+        wds.map_tuple(SampleTransform(image_size, augment, train=False), None),
+        wds.batched(batch_size, collation_fn=_collate, partial=True))
 
 
 def _check_rank(rank, world_size, batch_size, num_workers):
@@ -166,103 +158,157 @@ def _check_rank(rank, world_size, batch_size, num_workers):
         raise ValueError(f"batch_size={batch_size} must be >= 1 and num_workers={num_workers} >= 0")
 
 
-class _TrainStreams(IterableDataset):
-    """One train reader (rank x DataLoader worker): per step, the chunks of its virtual streams in
-    increasing stream order, decoded and augmented with per-sample seeds, as ``(worker, x, y, keys)``."""
+class TrainBatch(NamedTuple):
+    """One rank's step as a loader worker ships it: uint8 pixels (cropped and flipped) plus the
+    per-sample draws of the device-side augmentation (see :class:`.device_augment.DeviceAugment`)."""
 
-    def __init__(self, urls, *, rank, world_size, num_streams, chunk, steps, seed, epoch, image_size,
-                 augment, return_keys):
+    images: torch.Tensor             # uint8 [B, 3, H, W]
+    labels: torch.Tensor             # int64 [B]
+    params: dict[str, torch.Tensor]  # per-sample augmentation draws, leading dim B
+    keys: Optional[list[str]]
+
+
+class _TrainSteps(IterableDataset):
+    """A rank's train steps from ``(epoch, start_batch)`` to the end of epoch ``last_epoch``.
+
+    Every DataLoader worker reads the rank's streams in full (raw tar bytes: cheap) and decodes
+    and augments only the steps it owns (step k of the run goes to worker k % num_workers), so
+    any worker count works, each step is one batch built and shipped by one worker (no assembly
+    in the main process), and the DataLoader's round-robin order is step order.
+    """
+
+    def __init__(self, urls, *, rank, world_size, num_streams, chunk, steps, seed, epoch, last_epoch,
+                 start_batch, image_size, augment, return_keys):
         super().__init__()
         self.urls, self.rank, self.world_size, self.num_streams = list(urls), rank, world_size, num_streams
-        self.chunk, self.steps, self.seed, self.epoch, self.return_keys = chunk, steps, seed, epoch, return_keys
+        self.chunk, self.steps, self.seed, self.return_keys = chunk, steps, seed, return_keys
+        self.epochs, self.start_batch = range(epoch, last_epoch + 1), start_batch
         self.transform = SampleTransform(image_size, augment, train=True)
-        self.finish = BatchFinish(augment, train=True)
+        self.device_augment = DeviceAugment(augment)
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[TrainBatch]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        mine = reader_streams(self.num_streams, self.rank, self.world_size, worker, num_workers)
-        streams = open_streams(self.urls, mine, self.num_streams, seed=self.seed, epoch=self.epoch)
-        for _ in range(self.steps):
-            raw = [sample for stream in streams for sample in islice(stream, self.chunk)]
-            decoded = [decode_sample(sample) for sample in raw]
-            seeds = [sample_seeds(self.seed, self.epoch, s["__pass__"], s["__key__"]) for s in raw]
-            images = self.transform.seeded([img for img, _ in decoded], [a for a, _ in seeds])
-            x = self.finish(torch.stack(images), seeds=[e for _, e in seeds])
-            y = torch.tensor([label for _, label in decoded], dtype=torch.int64)
-            yield worker, x, y, ([s["__key__"] for s in raw] if self.return_keys else None)
+        mine = reader_streams(self.num_streams, self.rank, self.world_size)
+        k = 0
+        for epoch in self.epochs:
+            streams = open_streams(self.urls, mine, self.num_streams, seed=self.seed, epoch=epoch)
+            first = self.start_batch if epoch == self.epochs.start else 0
+            for b in range(self.steps):
+                raw = [sample for stream in streams for sample in islice(stream, self.chunk)]
+                if b < first:
+                    continue
+                if k % num_workers == worker:
+                    yield self._batch(raw, epoch)
+                k += 1
+
+    def _batch(self, raw: list[dict], epoch: int) -> TrainBatch:
+        decoded = [decode_sample(sample) for sample in raw]
+        seeds = [sample_seeds(self.seed, epoch, s["__pass__"], s["__key__"]) for s in raw]
+        images = torch.stack(self.transform.seeded([img for img, _ in decoded], [a for a, _ in seeds]))
+        params = self.device_augment.draw([d for _, d in seeds], *images.shape[-2:])
+        labels = torch.tensor([label for _, label in decoded], dtype=torch.int64)
+        return TrainBatch(images, labels, params, [s["__key__"] for s in raw] if self.return_keys else None)
 
 
-def _batch(parts: list[tuple], return_keys: bool) -> tuple:
-    """Join the readers' parts of one rank batch (worker order == stream order)."""
-    if len(parts) == 1:
-        _, x, y, keys = parts[0]
-    else:
-        x, y = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
-        keys = [k for p in parts for k in p[3]] if return_keys else None
-    return (x, y, keys) if return_keys else (x, y)
-
-
-def _gather(loader: DataLoader, num_workers: int, return_keys: bool) -> Iterator[tuple]:
-    """DataLoader hands out worker outputs round-robin: num_workers consecutive items = one step."""
-    it = iter(loader)
-    while parts := list(islice(it, num_workers)):
-        if [p[0] for p in parts] != list(range(num_workers)):
-            raise RuntimeError(f"expected one part from each of workers 0..{num_workers - 1}, got "
-                               f"{[p[0] for p in parts]}")
-        yield _batch(parts, return_keys)
+def _on_device(batches: Iterator[TrainBatch], augment: DeviceAugment, device: torch.device,
+               return_keys: bool) -> Iterator[tuple]:
+    """Copy each batch to ``device`` (non-blocking from pinned memory on CUDA) and finish the
+    augmentation there: the CPU ships uint8, the device converts, normalises and augments."""
+    cuda = device.type == "cuda"
+    for batch in batches:
+        if cuda and not batch.images.is_pinned():  # DataLoader workers pin already (pin_memory=True)
+            batch = TrainBatch(batch.images.pin_memory(), batch.labels.pin_memory(),
+                               {k: v.pin_memory() for k, v in batch.params.items()}, batch.keys)
+        x = batch.images.to(device, non_blocking=cuda)
+        params = {k: v.to(device, non_blocking=cuda) for k, v in batch.params.items()}
+        y = batch.labels.to(device, non_blocking=cuda)
+        x = augment(x, params)
+        yield (x, y, batch.keys) if return_keys else (x, y)
 
 
 def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_epoch: int, rank: int,
                       world_size: int, epoch: int, seed: int, augment: Optional[dict],
-                      num_workers: int = 0, num_streams: Optional[int] = None,
+                      last_epoch: Optional[int] = None, start_batch: int = 0, num_workers: int = 0,
+                      prefetch: int = 4, device: torch.device | str = "cpu", num_streams: Optional[int] = None,
                       return_keys: bool = False) -> _Loader:
-    """Exactly ``steps_per_epoch`` full, shuffled, augmented batches of ``batch_size`` on this rank.
+    """Exactly ``steps_per_epoch`` full, shuffled, augmented batches of ``batch_size`` on this rank
+    for each epoch from ``epoch`` (starting at batch ``start_batch``: mid-epoch resume, the skipped
+    batches are read but not decoded) to ``last_epoch`` (default: ``epoch`` alone), on ``device``.
 
     World-size invariant: with the same global batch (``batch_size * world_size``), seed, epoch
     and ``num_streams``, the union over ranks of step b's batches is the same samples with the
-    same augmented pixels for any ``world_size`` (and ``num_workers``) dividing ``num_streams``.
-    ``num_streams`` defaults to ``lcm(R, gcd(global batch, 8))`` with ``R = world_size *
-    max(1, num_workers)`` (8 for the usual power-of-two layouts; see
-    :func:`.streams.resolve_num_streams`); it must be a multiple of R and divide the global batch.
+    same augmented pixels for any ``world_size`` dividing ``num_streams`` and any ``num_workers``.
+    ``num_streams`` defaults to ``lcm(W, gcd(global batch, 8))`` (8 for the usual power-of-two
+    layouts; see :func:`.streams.resolve_num_streams`). One DataLoader (``num_workers`` processes,
+    ``prefetch`` batches each in flight) serves all the epochs, so workers start once per run.
     ``return_keys`` (debugging / tests) yields ``(images, labels, keys)`` instead of ``(images, labels)``.
     """
     _check_rank(rank, world_size, batch_size, num_workers)
-    if steps_per_epoch < 1:
-        raise ValueError(f"steps_per_epoch={steps_per_epoch} must be >= 1")
-    num_streams = resolve_num_streams(num_streams, batch_size=batch_size, world_size=world_size,
-                                      num_workers=num_workers)
+    last_epoch = epoch if last_epoch is None else last_epoch
+    if steps_per_epoch < 1 or last_epoch < epoch or not 0 <= start_batch < steps_per_epoch:
+        raise ValueError(f"steps_per_epoch={steps_per_epoch} must be >= 1, last_epoch={last_epoch} >= "
+                         f"epoch={epoch} and start_batch={start_batch} in [0, steps_per_epoch)")
+    num_streams = resolve_num_streams(num_streams, batch_size=batch_size, world_size=world_size)
     urls, shards = _shards(shard_dir, "train")
     if not urls:
         raise ValueError(f"{shard_dir} has no train shards")
     total = sum(s["count"] for s in shards)
     if len(urls) < num_streams and total < num_streams:
         raise ValueError(f"{shard_dir} has {total} train samples, fewer than num_streams={num_streams}")
-    ds = _TrainStreams(urls, rank=rank, world_size=world_size, num_streams=num_streams,
-                       chunk=batch_size * world_size // num_streams, steps=steps_per_epoch, seed=seed,
-                       epoch=epoch, image_size=image_size, augment=augment, return_keys=return_keys)
-    n = steps_per_epoch * batch_size
+    ds = _TrainSteps(urls, rank=rank, world_size=world_size, num_streams=num_streams,
+                     chunk=batch_size * world_size // num_streams, steps=steps_per_epoch, seed=seed,
+                     epoch=epoch, last_epoch=last_epoch, start_batch=start_batch, image_size=image_size,
+                     augment=augment, return_keys=return_keys)
+    device = torch.device(device)
+    length = (last_epoch - epoch + 1) * steps_per_epoch - start_batch
     if num_workers == 0:
-        return _Loader(lambda: (_batch([part], return_keys) for part in ds), steps_per_epoch, n)
-    # augmentation is seeded per sample; the generator only keeps DataLoader's base seed off the
-    # caller's global torch RNG
-    loader = DataLoader(ds, batch_size=None, num_workers=num_workers,
-                        generator=torch.Generator().manual_seed(seed))
-    return _Loader(lambda: _gather(loader, num_workers, return_keys), steps_per_epoch, n)
+        source = ds
+    else:  # augmentation is seeded per sample; the generator keeps DataLoader off the global torch RNG
+        source = DataLoader(ds, batch_size=None, num_workers=num_workers, prefetch_factor=prefetch,
+                            pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
+    return _Loader(lambda: _on_device(iter(source), ds.device_augment, device, return_keys), length,
+                   length * batch_size)
+
+
+def _rebatch(parts: Iterator[tuple[torch.Tensor, torch.Tensor]], batch_size: int) -> Iterator[tuple]:
+    """Readers each end on a partial batch: regroup their batches so only the last one is partial."""
+    xs, ys, held = [], [], 0
+    for x, y in parts:
+        xs.append(x)
+        ys.append(y)
+        held += len(y)
+        while held >= batch_size:
+            x, y = torch.cat(xs), torch.cat(ys)
+            yield x[:batch_size], y[:batch_size]
+            xs, ys, held = [x[batch_size:]], [y[batch_size:]], held - batch_size
+    if held:
+        yield torch.cat(xs), torch.cat(ys)
+
+
+def _finish_on(batches: Iterator[tuple], finish: BatchFinish, device: torch.device) -> Iterator[tuple]:
+    cuda = device.type == "cuda"
+    for x, y in batches:
+        yield finish(x.to(device, non_blocking=cuda)), y.to(device, non_blocking=cuda)
 
 
 def make_eval_loader(shard_dir, split: str, *, batch_size: int, image_size: int, rank: int,
-                     world_size: int, augment: Optional[dict], num_workers: int = 0) -> _Loader:
-    """Every sample of ``split`` exactly once across ranks, unshuffled; resize + normalise only."""
+                     world_size: int, augment: Optional[dict], num_workers: int = 0,
+                     device: torch.device | str = "cpu") -> _Loader:
+    """Every sample of ``split`` exactly once across ranks, unshuffled; resize + normalise only.
+
+    Readers decode and resize on the CPU and ship uint8; normalisation runs on ``device``. With
+    ``num_workers`` the workers persist between iterations (one eval per epoch reuses them).
+    """
     _check_rank(rank, world_size, batch_size, num_workers)
     urls, shards = _shards(shard_dir, split)
     n = _rank_samples(shards, rank, world_size)
     length = -(-n // batch_size)
     stream = _ShardStream(urls, rank, world_size)
-    ds = _pipeline(stream, image_size, augment, batch_size, train=False)
+    ds = _eval_pipeline(stream, image_size, augment, batch_size)
+    finish, device = BatchFinish(augment), torch.device(device)
     if num_workers == 0 or not urls:
-        return _Loader(lambda: iter(ds), length, n)
-    # Workers each end with a partial batch; re-batch in the main process so only the last is partial.
-    loader = wds.WebLoader(ds, batch_size=None, num_workers=num_workers)
-    loader = loader.unbatched().batched(batch_size, collation_fn=_concat, partial=True)
-    return _Loader(lambda: iter(loader), length, n)
+        return _Loader(lambda: _finish_on(iter(ds), finish, device), length, n)
+    loader = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=True,
+                        pin_memory=device.type == "cuda")
+    return _Loader(lambda: _finish_on(_rebatch(iter(loader), batch_size), finish, device), length, n)

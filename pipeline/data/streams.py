@@ -17,7 +17,7 @@ epoch, g, pass) and drained at the end of the pass, so a pass is a permutation o
 
 Global batch ``b`` (``B`` samples) is chunk ``b`` (``B / S`` samples) of every stream, g = 0..S-1.
 Rank ``r`` of ``W`` owns the streams g with ``g % W == r`` and its batch is their chunks in
-increasing g; a DataLoader worker owns a contiguous block of its rank's streams. So the union over
+increasing g (DataLoader workers take turns at whole steps, see :mod:`.loader`). So the union over
 ranks of batch b is the same multiset of samples for every W dividing S, and per-sample
 augmentation seeded by :func:`sample_seeds` (seed, epoch, pass, key) makes the pixels identical too.
 """
@@ -44,30 +44,24 @@ def key_index(key: str) -> int:
     return int(tail) if tail.isdigit() else zlib.crc32(key.encode())
 
 
-def resolve_num_streams(num_streams: Optional[int], *, batch_size: int, world_size: int,
-                        num_workers: int) -> int:
-    """Check (or pick) S for a per-rank ``batch_size`` on ``world_size`` ranks x ``num_workers``.
+def resolve_num_streams(num_streams: Optional[int], *, batch_size: int, world_size: int) -> int:
+    """Check (or pick) S for a per-rank ``batch_size`` on ``world_size`` ranks.
 
-    S must be a multiple of the reader count ``R = world_size * max(1, num_workers)`` (every
-    reader owns whole streams) and divide the global batch ``B = batch_size * world_size`` (every
-    stream gives B / S samples per step). Default: ``lcm(R, gcd(B, 8))``, i.e. 8 when B is a
-    multiple of 8 and R divides 8; it does not change with W as long as R divides gcd(B, 8), so
-    1, 2, 4 and 8 ranks (x workers) with the same global batch agree. For other layouts pass the
-    same explicit ``num_streams`` (a multiple of every R you use) to each run.
+    S must be a multiple of ``world_size`` (every rank owns whole streams) and divide the global
+    batch ``B = batch_size * world_size`` (every stream gives B / S samples per step). Default:
+    ``lcm(W, gcd(B, 8))``, i.e. 8 when B is a multiple of 8 and W divides 8; it does not change
+    with W as long as W divides gcd(B, 8), so 1, 2, 4 and 8 ranks with the same global batch
+    agree. For other layouts pass the same explicit ``num_streams`` (a multiple of every W you
+    use) to each run. DataLoader workers do not enter: they split a rank's steps, not its streams.
     """
-    readers = world_size * max(1, num_workers)
     global_batch = batch_size * world_size
     if num_streams is None:
-        if global_batch % readers:
-            raise ValueError(f"batch_size={batch_size} per rank is not divisible by num_workers={num_workers}: "
-                             f"every DataLoader worker must produce an equal share of the batch")
-        return math.lcm(readers, math.gcd(global_batch, DEFAULT_STREAMS))
+        return math.lcm(world_size, math.gcd(global_batch, DEFAULT_STREAMS))
     if isinstance(num_streams, bool) or not isinstance(num_streams, int) or num_streams < 1:
         raise ValueError(f"num_streams={num_streams!r} must be a positive integer")
-    if num_streams % readers:
-        raise ValueError(f"num_streams={num_streams} is not divisible by world_size * max(1, num_workers) = "
-                         f"{world_size} * {max(1, num_workers)} = {readers}: every reader must own whole "
-                         f"streams; use a multiple of {readers}")
+    if num_streams % world_size:
+        raise ValueError(f"num_streams={num_streams} is not divisible by world_size={world_size}: every rank "
+                         f"must own whole streams; use a multiple of {world_size}")
     if global_batch % num_streams:
         raise ValueError(f"global batch batch_size * world_size = {batch_size} * {world_size} = {global_batch} "
                          f"is not divisible by num_streams={num_streams}: every stream gives "
@@ -75,12 +69,9 @@ def resolve_num_streams(num_streams: Optional[int], *, batch_size: int, world_si
     return num_streams
 
 
-def reader_streams(num_streams: int, rank: int, world_size: int, worker: int = 0,
-                   num_workers: int = 1) -> list[int]:
-    """Streams (increasing) of one reader: rank r owns g % W == r; worker w a contiguous block of those."""
-    local = list(range(rank, num_streams, world_size))
-    k = len(local) // max(1, num_workers)
-    return local[worker * k:(worker + 1) * k]
+def reader_streams(num_streams: int, rank: int, world_size: int) -> list[int]:
+    """Streams (increasing) of one rank: g % W == r."""
+    return list(range(rank, num_streams, world_size))
 
 
 def stream_shards(urls: list[str], num_streams: int, g: int, *, seed: int, epoch: int) -> tuple[list[str], bool]:

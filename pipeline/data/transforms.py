@@ -7,8 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torchvision.transforms import InterpolationMode
@@ -125,17 +124,6 @@ def _auto_augment(cfg: dict) -> list:
     return []
 
 
-@contextmanager
-def preserved_cpu_rng() -> Iterator[torch.Generator]:
-    """Yield torch's default CPU generator; restore its state afterwards (4 us, vs ~140 us for
-    ``torch.random.fork_rng``), so seeding per sample leaves the caller's RNG stream untouched."""
-    state = torch.get_rng_state()
-    try:
-        yield torch.default_generator
-    finally:
-        torch.set_rng_state(state)
-
-
 def _interpolate(img: torch.Tensor, size: int, interp: InterpolationMode) -> torch.Tensor:
     nearest = interp == InterpolationMode.NEAREST
     return torch.nn.functional.interpolate(img[None], size=(size, size), mode=interp.value,
@@ -179,13 +167,14 @@ def crop_params(rng: random.Random, height: int, width: int, scale: Sequence[flo
 
 
 class SampleTransform:
-    """Per-sample part on a uint8 CHW tensor: crop/resize, flip, auto-augment; stays uint8.
+    """Per-sample CPU part on a uint8 CHW tensor: crop/resize and flip; stays uint8.
 
     Calls torchvision's image kernels directly: at 32 px the v2 module dispatch costs more than
-    the pixel work, and ToDtype/Normalize are done once per batch by :class:`BatchFinish`.
-    Crop and flip draw from a ``random.Random`` seeded per image; :meth:`seeded` takes the seeds
-    (and seeds torch's RNG for auto-augment too), so the result does not depend on the process or
-    the batch order. Called directly, the seed comes from torch's global RNG.
+    the pixel work. Auto-augment, normalisation and erasing run batched on the training device
+    (:class:`.device_augment.DeviceAugment`), eval normalisation once per batch (:class:`BatchFinish`).
+    Crop and flip draw from a ``random.Random`` seeded per image; :meth:`seeded` takes the seeds,
+    so the result does not depend on the process or the batch order. Called directly, the seed
+    comes from torch's global RNG.
     """
 
     def __init__(self, image_size: int, augment: Optional[dict], train: bool):
@@ -194,23 +183,14 @@ class SampleTransform:
         self.interp = INTERPOLATIONS[cfg["interpolation"]]
         self.rrc = cfg["random_resized_crop"] if train else None
         self.hflip = float(cfg["hflip"]) if train else 0.0
-        aa = _auto_augment(cfg) if train else []
-        self.auto_augment = aa[0] if aa else None
-        self.random = self.rrc is not None or self.hflip > 0 or self.auto_augment is not None
+        self.random = self.rrc is not None or self.hflip > 0
         self.direct = _direct_resize_matches(self.interp)
 
     def seeded(self, images: Sequence[torch.Tensor], seeds: Sequence[int]) -> list[torch.Tensor]:
-        """``[self(img)]`` with image k's randomness drawn from ``seeds[k]`` (torch's RNG state restored)."""
+        """``[self(img)]`` with image k's randomness drawn from ``seeds[k]``."""
         if len(images) != len(seeds):
             raise ValueError(f"{len(seeds)} seeds for {len(images)} images")
-        if self.auto_augment is None:
-            return [self.apply(img, seed) for img, seed in zip(images, seeds)]
-        out = []
-        with preserved_cpu_rng() as gen:
-            for img, seed in zip(images, seeds):
-                gen.manual_seed(seed)
-                out.append(self.apply(img, seed))
-        return out
+        return [self.apply(img, seed) for img, seed in zip(images, seeds)]
 
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
         return self.apply(img, int(torch.randint(1 << 62, ())) if self.random else 0)
@@ -233,34 +213,21 @@ class SampleTransform:
                 img = F.center_crop(img, [self.size, self.size])
         if self.hflip and rng.random() < self.hflip:
             img = img.flip(-1)
-        if self.auto_augment is not None:
-            img = self.auto_augment(img)
         return img
 
 
 class BatchFinish:
-    """uint8 batch [B,3,H,W] -> normalised float32 (== ToDtype(scale) + Normalize), then per-sample
-    erasing, drawn from torch's global RNG or, given ``seeds``, from one seed per image."""
+    """uint8 batch [B,3,H,W] -> normalised float32 (== ToDtype(scale) + Normalize), on the batch's
+    device; the constants are cached per device."""
 
-    def __init__(self, augment: Optional[dict], train: bool):
+    def __init__(self, augment: Optional[dict]):
         cfg = resolve_augment(augment)
         self.shift = torch.tensor(cfg["mean"], dtype=torch.float32).view(1, 3, 1, 1) * 255.0
         self.scale = torch.tensor(cfg["std"], dtype=torch.float32).view(1, 3, 1, 1) * 255.0
-        p = float(cfg["random_erasing"]) if train else 0.0
-        self.erase = v2.RandomErasing(p=p) if p > 0 else None
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, batch: torch.Tensor, seeds: Optional[Sequence[int]] = None) -> torch.Tensor:
-        x = batch.to(torch.float32).sub_(self.shift).div_(self.scale)
-        if self.erase is None:
-            return x
-        if seeds is None:  # one region per image, not one for the whole batch
-            for k in range(x.shape[0]):
-                x[k] = self.erase(x[k])
-            return x
-        if len(seeds) != x.shape[0]:
-            raise ValueError(f"{len(seeds)} seeds for a batch of {x.shape[0]}")
-        with preserved_cpu_rng() as gen:
-            for k, seed in enumerate(seeds):
-                gen.manual_seed(seed)
-                x[k] = self.erase(x[k])
-        return x
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        if batch.device not in self._on:
+            self._on[batch.device] = (self.shift.to(batch.device), self.scale.to(batch.device))
+        shift, scale = self._on[batch.device]
+        return batch.to(torch.float32).sub_(shift).div_(scale)

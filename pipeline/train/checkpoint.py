@@ -1,4 +1,4 @@
-"""Full-state training checkpoints, as reported to Ray Train and restored after a failure or restart.
+"""Full-state training checkpoints, reported to the runner and restored after a failure or restart.
 
 A checkpoint holds everything needed to continue bit-for-bit where the run stopped: weights
 (without DDP's ``module.`` prefix), optimizer, scheduler, grad scaler, EMA, position in the run
@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import ray.train
 import torch
 import torch.distributed as dist
 
-STATE_FILE = "state.pt"
+from pipeline.train.context import STATE_FILE, TrainContext
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -50,11 +49,11 @@ class Progress:
     history: list = field(default_factory=list)
 
 
-def save_and_report(metrics: dict, *, rank: int, objects: dict, progress: Progress, extra: dict) -> None:
+def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress: Progress, extra: dict) -> None:
     """All ranks call this (Ray Train wants a report from each); rank 0 attaches the checkpoint."""
     rngs = gather_rng_states()
-    if rank != 0:
-        ray.train.report(metrics, checkpoint=None)
+    if ctx.rank != 0:
+        ctx.report(metrics, None)
         return
     state = {name: obj.state_dict() for name, obj in objects.items() if obj is not None}
     state["model"] = unwrap(objects["model"]).state_dict()
@@ -62,24 +61,23 @@ def save_and_report(metrics: dict, *, rank: int, objects: dict, progress: Progre
                  history=progress.history, rng=rngs, **extra)
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(state, Path(tmp) / STATE_FILE)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        ctx.report(metrics, tmp)
 
 
-def load_state(checkpoint) -> dict:
-    with checkpoint.as_directory() as d:
-        return torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=False)
+def load_state(checkpoint_dir: str | Path) -> dict:
+    return torch.load(Path(checkpoint_dir) / STATE_FILE, map_location="cpu", weights_only=False)
 
 
-def restore(objects: dict, *, rank: int) -> Progress | None:
-    """Load the latest reported checkpoint into ``objects``; None when the run starts fresh."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    state = load_state(checkpoint)
+def restore(objects: dict, *, ctx: TrainContext) -> Progress | None:
+    """Load the run's latest checkpoint into ``objects``; None when the run starts fresh."""
+    with ctx.resume_dir() as checkpoint_dir:
+        if checkpoint_dir is None:
+            return None
+        state = load_state(checkpoint_dir)
     unwrap(objects["model"]).load_state_dict(state["model"])
     for name, obj in objects.items():
         if name != "model" and obj is not None and name in state:
             obj.load_state_dict(state[name])
     rngs = state["rng"]
-    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+    set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])
     return Progress(state["epoch"], state["batch_in_epoch"], state["step"], state["history"])

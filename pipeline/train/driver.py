@@ -1,4 +1,5 @@
-"""Driver side of a training stage: plan the run, start (or join) Ray, run ``TorchTrainer``.
+"""Driver side of a training stage: plan the run, then run it with Ray Train's ``TorchTrainer`` or
+in this process (``ray.backend: local``).
 
 The Ray run name is a hash of everything that defines the run (stage params, model config, data,
 initial weights, world size), so re-running an interrupted stage continues the same Ray run from
@@ -7,19 +8,24 @@ path), while changed params start a fresh one.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline import storage
-from pipeline.config import Params, TrainConfig
+from pipeline.config import Params, RayConfig, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.model import VisionTransformer
+from pipeline.train.checkpoint import load_state
+from pipeline.train.context import latest_checkpoint
+from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.utils import atomic_write_text
 
 
@@ -27,7 +33,7 @@ from pipeline.utils import atomic_write_text
 class TrainPlan:
     stage: str
     run_name: str
-    loop_cfg: dict
+    loop: LoopConfig
     init_state: dict[str, torch.Tensor]
 
 
@@ -53,56 +59,40 @@ def _state_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def loader_workers(ray_cfg: RayConfig) -> int:
+    """``ray.loader_workers``, or by default every CPU a rank has but the one that drives the GPU."""
+    if ray_cfg.loader_workers is not None:
+        return ray_cfg.loader_workers
+    return max(0, ray_cfg.cpus_per_worker - 1)
+
+
 def plan_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
                   shard_dir: str) -> TrainPlan:
-    """Everything the workers need, and the run name that identifies this exact run."""
+    """Everything the ranks need, and the run name that identifies this exact run."""
     info = read_dataset_info(shard_dir)
-    world = params.ray.num_workers
-    per_worker = worker_batch(cfg.global_batch_size, world)
+    world = world_size(params.ray)
     steps = max(1, info["counts"]["train"] // cfg.global_batch_size)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    loop_cfg = {
-        "stage": stage, "model": model.config.to_dict(), "shard_dir": storage.worker_path(shard_dir),
-        "image_size": cfg.image_size, "epochs": cfg.epochs, "steps_per_epoch": steps,
-        "per_worker_batch": per_worker, "max_worker_batch": cfg.max_worker_batch, "lr": cfg.lr,
-        "min_lr": cfg.min_lr, "weight_decay": cfg.weight_decay, "layer_decay": cfg.layer_decay,
-        "warmup_steps": int(round(cfg.warmup_epochs * steps)), "label_smoothing": cfg.label_smoothing,
-        "grad_clip": cfg.grad_clip, "seed": cfg.seed, "eval_every": cfg.eval_every,
-        "augment": dict(cfg.augment), "mixup_alpha": cfg.mixup_alpha, "cutmix_alpha": cfg.cutmix_alpha,
-        "ema_decay": cfg.ema_decay, "amp": cfg.amp, "checkpoint_every_steps": cfg.checkpoint_every_steps,
-        "log_every_steps": cfg.log_every_steps,
-    }
-    identity = {**loop_cfg, "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
+    loop = LoopConfig(
+        stage=stage, model=model.config.to_dict(), shard_dir=storage.worker_path(shard_dir),
+        image_size=cfg.image_size, epochs=cfg.epochs, steps_per_epoch=steps,
+        per_worker_batch=worker_batch(cfg.global_batch_size, world), max_worker_batch=cfg.max_worker_batch,
+        lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay,
+        warmup_steps=int(round(cfg.warmup_epochs * steps)), label_smoothing=cfg.label_smoothing,
+        grad_clip=cfg.grad_clip, seed=cfg.seed, eval_every=cfg.eval_every, augment=dict(cfg.augment),
+        mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, ema_decay=cfg.ema_decay, amp=cfg.amp,
+        compile=cfg.compile, checkpoint_every_steps=cfg.checkpoint_every_steps,
+        log_every_steps=cfg.log_every_steps, loader_workers=loader_workers(params.ray), verbose=params.ray.verbose)
+    # the backend is not part of the identity: a local run and a 1-worker Ray run continue each other
+    identity = {**loop.identity(), "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
                 "init": _state_digest(state)}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
-    loop_cfg["verbose"] = params.ray.verbose
-    return TrainPlan(stage=stage, run_name=f"{stage}-{digest[:12]}", loop_cfg=loop_cfg, init_state=state)
+    return TrainPlan(stage=stage, run_name=f"{stage}-{digest[:12]}", loop=loop, init_state=state)
 
 
-def init_ray(params: Params) -> None:
-    """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS``, or start a quiet local one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    quiet = {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-    for k, v in quiet.items():
-        os.environ.setdefault(k, v)
-    address = params.ray.address or os.environ.get("RAY_ADDRESS")
-    if not address:  # one machine, no preemptible nodes: Ray Train's preemption watcher only adds a log line
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-        quiet["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
-    kwargs = dict(logging_level=logging.INFO if params.ray.verbose else logging.WARNING,
-                  log_to_driver=True, runtime_env={"env_vars": quiet})
-    if address:
-        ray.init(address=address, **kwargs)
-    else:
-        if not params.ray.verbose:  # "token auth enabled by default": moot for a 127.0.0.1-only cluster
-            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls.
-        need = params.ray.num_workers * params.ray.cpus_per_worker
-        ray.init(num_cpus=max(need, os.cpu_count() or 1), include_dashboard=True,
-                 dashboard_host="127.0.0.1", **kwargs)
+def world_size(ray_cfg: RayConfig) -> int:
+    """Ranks of a training run: ``ray.num_workers``, or 1 in-process with ``ray.backend: local``."""
+    return 1 if ray_cfg.backend == "local" else ray_cfg.num_workers
 
 
 def _fault_from_env() -> dict | None:
@@ -116,28 +106,59 @@ def _fault_from_env() -> dict | None:
 
 
 def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: str | None = None) -> TrainResult:
-    """Run (or continue) the planned Ray Train run; load its final weights into ``model``."""
+    """Run (or continue) the planned run on the configured backend; load its final weights into ``model``."""
+    from pipeline.tracking import resolve_tracking_uri
+
+    storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
+    run_dir = None if storage_fs is not None or storage.is_url(storage_path) else str(Path(storage_path) / plan.run_name)
+    run = LoopRun(init_state=plan.init_state, run_id=run_id, tracking_uri=resolve_tracking_uri(params.tracking_uri),
+                  resume_from=latest_checkpoint(run_dir) if run_dir else None, fault=_fault_from_env())
+    loop, world = plan.loop, world_size(params.ray)
+    print(f"[{plan.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
+          f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "
+          f"{loop.steps_per_epoch} steps/epoch x {loop.epochs} epochs, {loop.loader_workers} loader worker(s) "
+          f"per rank, run {plan.run_name}", flush=True)
+    if params.ray.backend == "local":
+        if run_dir is None:
+            raise ValueError(f"ray.backend: local writes checkpoints to a local ray.storage_path, "
+                             f"got {params.ray.storage_path!r}")
+        checkpoint = _fit_local(plan, run, params, run_dir)
+    else:
+        checkpoint = _fit_ray(plan, run, params, storage_path, storage_fs)
+    final = load_state(checkpoint)
+    weights = final["model"]
+    if final.get("ema"):  # the EMA weights are the ones to keep when EMA is on
+        weights = {k[len("module."):]: v for k, v in final["ema"].items() if k.startswith("module.")}
+    model.load_state_dict(weights)
+    return TrainResult(model=model, history=final["history"], run_name=plan.run_name, checkpoint_path=str(checkpoint))
+
+
+def _fit_local(plan: TrainPlan, run: LoopRun, params: Params, run_dir: str) -> str:
+    from pipeline.train.context import LocalContext
+    from pipeline.train.worker import run_loop
+
+    ctx = LocalContext(run_dir, use_gpu=params.ray.use_gpu, keep=params.ray.checkpoints_to_keep,
+                       resume_from=run.resume_from)
+    run_loop(plan.loop, run, ctx)
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise RuntimeError(f"[{plan.stage}] run {plan.run_name} finished without a checkpoint in {run_dir}")
+    return checkpoint
+
+
+def _fit_ray(plan: TrainPlan, run: LoopRun, params: Params, storage_path: str, storage_fs) -> str:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from pipeline.tracking import resolve_tracking_uri
-    from pipeline.train.checkpoint import load_state
+    from pipeline.cluster import init_ray
     from pipeline.train.worker import train_loop_per_worker
 
-    init_ray(params)
-    storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
-    cfg = plan.loop_cfg
-    loop_cfg = {**cfg, "init_ref": ray.put(plan.init_state), "run_id": run_id, "fault": _fault_from_env(),
-                "tracking_uri": resolve_tracking_uri(params.tracking_uri)}
-    world = params.ray.num_workers
-    print(f"[{plan.stage}] Ray Train: {world} worker(s), global batch {cfg['per_worker_batch'] * world} "
-          f"({cfg['per_worker_batch']}/worker), {cfg['steps_per_epoch']} steps/epoch x {cfg['epochs']} epochs, "
-          f"run {plan.run_name}", flush=True)
+    init_ray(params.ray)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_cfg,
-        scaling_config=ScalingConfig(num_workers=world, use_gpu=params.ray.use_gpu,
+        train_loop_config={"cfg": plan.loop, "run": dataclasses.replace(run, init_state=ray.put(run.init_state))},
+        scaling_config=ScalingConfig(num_workers=params.ray.num_workers, use_gpu=params.ray.use_gpu,
                                      resources_per_worker=_resources(params)),
         run_config=RunConfig(
             name=plan.run_name, storage_path=storage_path, storage_filesystem=storage_fs,
@@ -148,13 +169,12 @@ def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: st
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"[{plan.stage}] Ray run {plan.run_name} finished without a checkpoint")
-    final = load_state(result.checkpoint)
-    weights = final["model"]
-    if final.get("ema"):  # the EMA weights are the ones to keep when EMA is on
-        weights = {k[len("module."):]: v for k, v in final["ema"].items() if k.startswith("module.")}
-    model.load_state_dict(weights)
-    return TrainResult(model=model, history=final["history"], run_name=plan.run_name,
-                       checkpoint_path=str(result.checkpoint.path))
+    with result.checkpoint.as_directory() as d:  # a local copy when the storage is remote
+        if storage_fs is None and not storage.is_url(storage_path):
+            return d
+        local = tempfile.mkdtemp(prefix="vit-final-")
+        shutil.copytree(d, local, dirs_exist_ok=True)
+        return local
 
 
 def _resources(params: Params) -> dict[str, float]:

@@ -15,14 +15,14 @@ from pipeline.model import VisionTransformer, build_vit, convert_state_dict, loa
 from pipeline.plots import plot_history
 from pipeline import storage
 from pipeline.tracking import stage_run
-from pipeline.train.driver import fit, plan_training, write_history
+from pipeline.train.driver import fit, plan_training, world_size, write_history
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
 
 
 def _extra_params(params: Params, cfg: TrainConfig, model: VisionTransformer, info: dict) -> dict:
     c = model.config
     return {"model_size": params.model.preset, "patch_size": c.patch_size[0], "image_size": cfg.image_size,
-            "num_params": sum(p.numel() for p in model.parameters()), "world_size": params.ray.num_workers,
+            "num_params": sum(p.numel() for p in model.parameters()), "world_size": world_size(params.ray),
             "global_batch_size": cfg.global_batch_size, "dataset": info.get("source"),
             "num_classes": len(info["classes"])}
 

@@ -1,0 +1,155 @@
+"""Feed ratio: images/s of the training loop (real tars -> loader workers -> device augmentation ->
+train step) over images/s of the model alone (the same train step on a batch already on the
+device), measured side by side in one process, plus peak GPU memory and MFU.
+
+    python benchmarks/train_throughput.py --shards data/shards/pretrain                 # params.yaml
+    python benchmarks/train_throughput.py --recipe configs/cifar10.yaml \\
+        --shards /tmp/cifar10-shards --set ray.loader_workers=15 --steps 60
+
+The stage's own pieces run here (``plan_training``, ``make_train_loader``, ``Stepper``), in-process
+and without Ray, as the local runner does. ``--shards`` must hold the shard stage's output
+(``dataset.json`` + tars) for the chosen data; ``--cifar`` builds CIFAR-10 shards from the
+tarball in ``../shared/data`` first.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.config import load_params  # noqa: E402
+from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
+from pipeline.data.transforms import with_dataset_stats  # noqa: E402
+from pipeline.model import build_vit  # noqa: E402
+from pipeline.recipes import recipe_overrides  # noqa: E402
+from pipeline.train.driver import plan_training  # noqa: E402
+from pipeline.train.worker import Stepper  # noqa: E402
+
+CIFAR_TGZ = ROOT.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # dense, per GPU
+
+
+def cifar_shards(out: Path) -> Path:
+    """CIFAR-10 train+test from the shared tarball, sharded like the recipe (once, outside the repo)."""
+    if not (out / "dataset.json").exists():
+        raw = out.parent / (out.name + "-jpg")
+        if not (raw / "train").is_dir():
+            with tarfile.open(CIFAR_TGZ) as tf:
+                tf.extractall(raw, filter="data")
+        shard_dataset(out, source="imagefolder", root=raw, val_fraction=0.02, maxcount=5000)
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def model_alone(stepper: Stepper, images: torch.Tensor, labels: torch.Tensor, steps: int) -> float:
+    sync(stepper.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        stepper(images, labels)
+    sync(stepper.device)
+    return steps * len(labels) / (time.perf_counter() - t0)
+
+
+def full_loop(stepper: Stepper, batches, steps: int) -> float:
+    """What ``run_loop`` does per step, timed from the first batch request (loader start-up excluded)."""
+    sync(stepper.device)
+    t0, n = time.perf_counter(), 0
+    for _ in range(steps):
+        images, labels = next(batches)
+        stepper(images, labels)
+        n += len(labels)
+    sync(stepper.device)
+    return n / (time.perf_counter() - t0)
+
+
+def flops_per_step(stepper: Stepper, images: torch.Tensor, labels: torch.Tensor) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+    counter = FlopCounterMode(display=False)
+    with counter:
+        stepper(images, labels)
+    return float(counter.get_total_flops())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"))
+    ap.add_argument("--recipe", help="a configs/*.yaml recipe applied over --params")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--stage", default="pretrain", choices=["pretrain", "finetune"])
+    ap.add_argument("--shards", type=Path, required=True)
+    ap.add_argument("--cifar", action="store_true", help="build --shards from the shared CIFAR-10 tarball")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating model-alone / loop rounds")
+    args = ap.parse_args()
+
+    overrides = recipe_overrides(args.recipe, args.set) if args.recipe else recipe_overrides_from(args.set)
+    overrides["ray.backend"] = "local"  # one rank: the whole global batch on this device
+    params = load_params(args.params, overrides=overrides)
+    shard_dir = cifar_shards(args.shards) if args.cifar else args.shards
+    info = read_dataset_info(shard_dir)
+    cfg = getattr(params, args.stage)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.seed)
+    model = build_vit(params.model.preset, patch_size=params.model.patch_size, image_size=cfg.image_size,
+                      num_classes=len(info["classes"]), pool=params.model.pool,
+                      drop_path_rate=params.model.drop_path_rate, **params.model.overrides())
+    cfg.augment = with_dataset_stats(cfg.augment, info)
+    loop = plan_training(args.stage, params, cfg, model, str(shard_dir)).loop
+    steps_needed = args.rounds * (args.steps + 3) + 3
+    stepper = Stepper(model.to(device), loop, device)
+    batches = iter(make_train_loader(
+        loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
+        steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-steps_needed // loop.steps_per_epoch) - 1,
+        rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=loop.loader_workers, device=device))
+    images, labels = next(batches)  # also a fixed batch for the model-alone timing
+    for _ in range(3):  # warm-up: cudnn/compile, allocator, loader workers' first batches
+        stepper(images, labels)
+        stepper(*next(batches))
+    flops = flops_per_step(stepper, images, labels) if not loop.compile else float("nan")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    alone, fed = [], []
+    for r in range(args.rounds):
+        alone.append(model_alone(stepper, images, labels, args.steps))
+        fed.append(full_loop(stepper, batches, args.steps))
+        print(f"round {r}: model alone {alone[-1]:8.0f} img/s   full loop {fed[-1]:8.0f} img/s   "
+              f"feed ratio {fed[-1] / alone[-1]:.3f}", flush=True)
+    report(args, params, loop, device, statistics.median(alone), statistics.median(fed),
+           flops / len(labels))
+
+
+def recipe_overrides_from(sets: list[str]) -> dict:
+    import yaml
+    return {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in sets)}
+
+
+def report(args, params, loop, device, alone: float, fed: float, flops_per_image: float) -> None:
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"\n{args.stage} of {args.recipe or args.params} on {name}: {params.model.preset} "
+          f"(patch {params.model.patch_size}, {loop.image_size} px), batch {loop.per_worker_batch}, amp {loop.amp}, "
+          f"compile {loop.compile}, {loop.loader_workers} loader workers, {args.steps} steps x {args.rounds} rounds")
+    print(f"median model alone : {alone:9.0f} img/s")
+    print(f"median full loop   : {fed:9.0f} img/s")
+    print(f"feed ratio         : {fed / alone:9.3f}   (target >= 0.9 on a GPU)")
+    if device.type == "cuda":
+        print(f"peak GPU memory    : {torch.cuda.max_memory_allocated() / 2**30:9.2f} GiB")
+        peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+        if peak and flops_per_image == flops_per_image:
+            print(f"MFU (bf16 peak)    : {flops_per_image * fed / peak:9.1%} of {peak / 1e12:.0f} TFLOP/s "
+                  f"({flops_per_image / 1e9:.2f} GFLOP per image, fwd + bwd)")
+
+
+if __name__ == "__main__":
+    main()

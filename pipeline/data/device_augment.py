@@ -1,0 +1,236 @@
+"""The random part of the train augmentation, batched on the training device.
+
+Loader workers ship uint8 batches (already cropped and flipped) plus this module's per-sample
+draws; the device then runs RandAugment / TrivialAugmentWide, normalisation and random erasing
+for the whole batch at once, which is what keeps the CPU workers from being the bottleneck.
+The ops copy torchvision v2's uint8 kernels (same ranges, rounding and clamping), applied per
+sample: each sample's result depends on its own seed only, not on the batch around it.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import random
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as nnf
+from torchvision.transforms.v2 import functional as F
+
+from .transforms import BatchFinish, resolve_augment
+
+OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color",
+       "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize")
+GEOMETRIC = OPS[1:6]
+SIGNED = frozenset(OPS[1:10])  # torchvision flips these ops' magnitude with probability 1/2
+BINS, RANDAUGMENT_OPS, RANDAUGMENT_BIN = 31, 2, 9  # torchvision's RandAugment defaults
+ERASE_SCALE, ERASE_RATIO = (0.02, 0.33), (0.3, 3.3)  # torchvision's RandomErasing defaults
+
+
+@functools.lru_cache(maxsize=64)
+def magnitude_table(kind: str, height: int, width: int) -> tuple[Optional[tuple[float, ...]], ...]:
+    """Per op (in ``OPS`` order) its ``BINS`` magnitudes, or None for ops without one: the values of
+    torchvision's ``_AUGMENTATION_SPACE`` (float32, as it computes them) for "randaugment" or
+    "trivialaugment" (the wide ranges)."""
+    ra = kind == "randaugment"
+
+    def span(ra_max: float, ta_max: float) -> tuple[float, ...]:
+        return tuple(torch.linspace(0.0, ra_max if ra else ta_max, BINS).tolist())
+
+    bits = (8 - (torch.arange(BINS) / ((BINS - 1) / (4 if ra else 6)))).round().int()
+    table = {"ShearX": span(0.3, 0.99), "ShearY": span(0.3, 0.99),
+             "TranslateX": span(150.0 / 331.0 * width, 32.0), "TranslateY": span(150.0 / 331.0 * height, 32.0),
+             "Rotate": span(30.0, 135.0), "Brightness": span(0.9, 0.99), "Color": span(0.9, 0.99),
+             "Contrast": span(0.9, 0.99), "Sharpness": span(0.9, 0.99),
+             "Posterize": tuple(float(b) for b in bits.tolist()),
+             "Solarize": tuple(torch.linspace(1.0, 0.0, BINS).tolist())}
+    return tuple(table.get(op) for op in OPS)
+
+
+def _draw_erase(rng: random.Random, p: float, height: int, width: int) -> list[int]:
+    """``RandomErasing.make_params`` from a Python Random: [top, left, h, w], all 0 for no erase."""
+    if rng.random() >= p:
+        return [0, 0, 0, 0]
+    area, log_ratio = height * width, (math.log(ERASE_RATIO[0]), math.log(ERASE_RATIO[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*ERASE_SCALE)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        h, w = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        if h < height and w < width:
+            return [rng.randint(0, height - h), rng.randint(0, width - w), h, w]
+    return [0, 0, 0, 0]  # torchvision gives up after 10 tries and leaves the image as is
+
+
+def _col(v: torch.Tensor) -> torch.Tensor:
+    """Per-sample values [n] -> [n, 1, 1, 1], to broadcast over an image batch."""
+    return v.view(-1, 1, 1, 1)
+
+
+def _gray(x: torch.Tensor) -> torch.Tensor:
+    r, g, b = x.unbind(1)  # torchvision's _rgb_to_grayscale_image, floored as for uint8
+    return r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114).floor_().unsqueeze(1)
+
+
+def _blend(x: torch.Tensor, other: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """torchvision's ``_blend(x, other, ratio=1 + m)`` per sample (1 - ratio == -m exactly);
+    addcmul rounds like its ``add_(alpha=)`` (a separate multiply can be 1 level off)."""
+    return torch.addcmul(x.mul(_col(1 + m)), other, _col(-m)).clamp_(0, 255).to(torch.uint8)
+
+
+def _sharpness(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``adjust_sharpness(1 + m)``: its 3x3 blur (1s around a 5, / 13, rounded) as exact integer
+    sums, so no conv2d precision mode (TF32 on CUDA) can change a pixel; borders stay."""
+    f = x.to(torch.float32)
+    inner = f[..., 1:-1, 1:-1]
+    blur = nnf.avg_pool2d(f, 3, stride=1, divisor_override=1).add_(inner, alpha=4).div_(13).round_()
+    f[..., 1:-1, 1:-1] = torch.addcmul(inner, blur - inner, _col(-m))
+    return f.clamp_(0, 255).to(torch.uint8)
+
+
+def _posterize(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    bits = m.to(torch.int32).clamp(0, 8)  # clamp: other ops' magnitudes pass through here on CUDA
+    return x & _col(256 - torch.pow(2, 8 - bits)).to(torch.uint8)
+
+
+def _autocontrast(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``F.autocontrast`` without its boolean-mask assignment (a host sync on CUDA)."""
+    f = x.to(torch.float32)
+    lo, hi = f.amin((-2, -1), keepdim=True), f.amax((-2, -1), keepdim=True)
+    flat = hi == lo
+    scale = torch.where(flat, 1.0, (hi - lo).mul_(1.0 / 255))
+    return f.sub_(torch.where(flat, 0.0, lo)).div_(scale).clamp_(0, 255).to(torch.uint8)
+
+
+COLOUR_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "Brightness": lambda x, m: x.mul(_col(1 + m)).clamp_(0, 255).to(torch.uint8),
+    "Color": lambda x, m: _blend(x, _gray(x), m),
+    "Contrast": lambda x, m: _blend(x, _gray(x).mean((1, 2, 3), keepdim=True), m),
+    "Sharpness": _sharpness,
+    "Posterize": _posterize,
+    "Solarize": lambda x, m: torch.where(x >= _col(m * 255), 255 - x, x),
+    "AutoContrast": _autocontrast,
+    "Equalize": lambda x, m: F.equalize(x),
+}
+
+
+def _inverse_affine(op: torch.Tensor, m: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Per-sample [n, 2, 3] matrices of torchvision's ``_get_inverse_affine_matrix`` (in float64
+    like its Python floats) for the geometric ops as its auto-augment calls them; identity else."""
+    m = m.double()
+    zero = torch.zeros_like(m)
+
+    def only(name: str, v: torch.Tensor) -> torch.Tensor:
+        return torch.where(op == OPS.index(name), v, zero)
+
+    rot = only("Rotate", torch.deg2rad(-torch.remainder(m, 360.0)))  # F.rotate: affine by -(angle % 360)
+    sx, sy = only("ShearX", torch.atan(m)), only("ShearY", torch.atan(m))  # shear angle atan(m)
+    tx, ty = only("TranslateX", m.trunc()), only("TranslateY", m.trunc())  # int(magnitude) pixels
+    corner = (op == OPS.index("ShearX")) | (op == OPS.index("ShearY"))  # shears use center=[0, 0]
+    cx, cy = torch.where(corner, -width / 2.0, zero), torch.where(corner, -height / 2.0, zero)
+    a = torch.cos(rot - sy) / torch.cos(sy)
+    b = -(a * torch.tan(sx) + torch.sin(rot))
+    c = torch.sin(rot - sy) / torch.cos(sy)
+    d = torch.cos(rot) - c * torch.tan(sx)
+    e = cx - d * (cx + tx) + b * (cy + ty)
+    f = cy + c * (cx + tx) - a * (cy + ty)
+    return torch.stack([d, -b, e, -c, a, f], 1).view(-1, 2, 3).float()
+
+
+def _warp(x: torch.Tensor, theta: torch.Tensor, mode: str) -> torch.Tensor:
+    """torchvision's affine_image for a batch of matrices: its ``_affine_grid`` (as broadcast
+    products: no TF32 matmul) + ``grid_sample``, zeros outside, rounded back to uint8."""
+    h, w = x.shape[-2:]
+    xs = torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, w, device=x.device).view(1, 1, w)
+    ys = torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, h, device=x.device).view(1, h, 1)
+    half = torch.full((2, 1), 0.5 * w, device=x.device)  # filled on the device: no host copy
+    half[1] = 0.5 * h
+    t = (theta / half).unsqueeze(-1).unsqueeze(-1)
+    grid = torch.stack([xs * t[:, i, 0] + ys * t[:, i, 1] + t[:, i, 2] for i in (0, 1)], -1)
+    out = nnf.grid_sample(x.to(torch.float32), grid, mode=mode, padding_mode="zeros", align_corners=False)
+    return out.round_().to(torch.uint8)
+
+
+class DeviceAugment:
+    """Auto-augment + normalisation + random erasing of a train batch, batched on its device.
+
+    :meth:`draw` (CPU, loader worker) makes every random choice, per sample from its own seed;
+    ``__call__`` (device) applies them with no Python loop over samples. With neither
+    auto-augment nor erasing it is exactly ``BatchFinish``'s normalisation.
+    """
+
+    subset_devices = ("cpu",)  # device types where an op runs on its samples only (see _on_samples)
+
+    def __init__(self, augment: Optional[dict]):
+        cfg = resolve_augment(augment)
+        self.auto_augment, self.erase_p = cfg["auto_augment"], float(cfg["random_erasing"])
+        self.mode = "nearest" if cfg["interpolation"] == "nearest" else "bilinear"  # as transforms._auto_augment
+        self.slots = {None: 0, "randaugment": RANDAUGMENT_OPS, "trivialaugment": 1}[self.auto_augment]
+        self.active = self.slots > 0 or self.erase_p > 0
+        self.normalize = BatchFinish(cfg)
+
+    def draw(self, seeds: Sequence[int], height: int, width: int) -> dict[str, torch.Tensor]:
+        """Sample k's choices from ``random.Random(seeds[k])``: ``op`` int64 [B, S] (index into
+        ``OPS``), ``magnitude`` float32 [B, S] (signed), ``erase`` int64 [B, 4] (top, left, h, w;
+        zeros: none). Keys only for what is configured; S = 2 (RandAugment) or 1 (Trivial)."""
+        if not self.active:
+            return {}
+        ops, mags, boxes = [], [], []
+        table = magnitude_table(self.auto_augment, height, width) if self.slots else None
+        fixed_bin = RANDAUGMENT_BIN if self.auto_augment == "randaugment" else None
+        for seed in seeds:
+            rng = random.Random(seed)
+            for _ in range(self.slots):
+                k, m = rng.randrange(len(OPS)), 0.0
+                if table[k] is not None:
+                    m = table[k][rng.randrange(BINS) if fixed_bin is None else fixed_bin]
+                    if OPS[k] in SIGNED and rng.random() < 0.5:
+                        m = -m
+                ops.append(k)
+                mags.append(m)
+            if self.erase_p > 0:
+                boxes.append(_draw_erase(rng, self.erase_p, height, width))
+        out = {}
+        if self.slots:
+            out["op"] = torch.tensor(ops, dtype=torch.int64).view(len(seeds), self.slots)
+            out["magnitude"] = torch.tensor(mags, dtype=torch.float32).view(len(seeds), self.slots)
+        if self.erase_p > 0:
+            out["erase"] = torch.tensor(boxes, dtype=torch.int64).view(len(seeds), 4)
+        return out
+
+    def __call__(self, images: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """uint8 [B, 3, H, W] and :meth:`draw`'s params (same device) -> float32, normalised."""
+        if "op" in params:
+            images = self.auto_augment_batch(images, params["op"], params["magnitude"])
+        x = self.normalize(images)
+        if "erase" in params:
+            top, left, h, w = (_col(v) for v in params["erase"].unbind(1))
+            rows = torch.arange(x.shape[-2], device=x.device).view(1, 1, -1, 1)
+            cols = torch.arange(x.shape[-1], device=x.device).view(1, 1, 1, -1)
+            x.masked_fill_((rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w), 0.0)
+        return x
+
+    def auto_augment_batch(self, x: torch.Tensor, op: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+        """uint8 -> uint8: per slot, one warp for the samples with a geometric op, then each colour
+        op on the samples that drew it."""
+        if x.dtype != torch.uint8:
+            raise TypeError(f"auto-augment works on uint8 images (as torchvision's), got {x.dtype}")
+        x = x.clone()  # written in place on CPU (see _on_samples), the caller's batch stays
+        for s in range(op.shape[1]):
+            o, m = op[:, s], magnitude[:, s]
+            theta = _inverse_affine(o, m, *x.shape[-2:])
+            geometric = (o >= OPS.index(GEOMETRIC[0])) & (o <= OPS.index(GEOMETRIC[-1]))
+            x = self._on_samples(x, geometric, lambda y, t: _warp(y, t, self.mode), theta)
+            for name, fn in COLOUR_OPS.items():
+                x = self._on_samples(x, o == OPS.index(name), fn, m)
+        return x
+
+    def _on_samples(self, x: torch.Tensor, sel: torch.Tensor, fn: Callable, arg: torch.Tensor) -> torch.Tensor:
+        """``fn(x, arg)`` for the samples where ``sel``, the others' pixels untouched. On CPU only
+        those samples are computed; elsewhere all are and ``where`` keeps the right ones, because
+        selecting a data-dependent subset would stall the host on every op (a device sync)."""
+        if x.device.type not in self.subset_devices:
+            return torch.where(_col(sel), fn(x, arg), x)
+        idx = sel.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return x
+        return x.index_copy_(0, idx, fn(x[idx], arg[idx]))

@@ -1,0 +1,122 @@
+"""Where the training loop runs: the few things it asks of its runner.
+
+The loop (:mod:`pipeline.train.worker`) sees a :class:`TrainContext`: its rank, the world size,
+its device, a way to wrap the model for data parallelism, to report metrics with a checkpoint
+directory, and the checkpoint to resume from. :class:`RayContext` is Ray Train (one process per
+rank, DDP); :class:`LocalContext` runs the same loop in the current process as the only rank
+(``ray.backend: local``): for debugging, and for a GPU box without Ray. Both write checkpoints
+named ``checkpoint_<date>`` into the run's directory, so either can resume the other's run.
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+CHECKPOINT_PREFIX = "checkpoint_"
+LOCAL_SUFFIX = "_local"  # checkpoints the local runner wrote (and may prune)
+STATE_FILE = "state.pt"
+
+
+class TrainContext:
+    """What the per-rank loop needs from its runner (see the module docstring)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def report(self, metrics: dict, checkpoint_dir: Optional[str]) -> None:
+        """Every rank calls this; rank 0's ``checkpoint_dir`` (a directory holding state.pt) is kept."""
+        raise NotImplementedError
+
+    def resume_dir(self) -> contextlib.AbstractContextManager[Optional[Path]]:
+        """The latest checkpoint directory of this run, or None for a fresh start."""
+        raise NotImplementedError
+
+
+def _fallback(resume_from: Optional[str]) -> contextlib.AbstractContextManager[Optional[Path]]:
+    return contextlib.nullcontext(Path(resume_from) if resume_from else None)
+
+
+class RayContext(TrainContext):
+    """Ray Train's worker context. ``resume_from`` (a checkpoint of this run written by the local
+    runner) is used only when Ray has no checkpoint of its own for the run."""
+
+    def __init__(self, resume_from: Optional[str] = None):
+        import ray.train
+        import ray.train.torch
+
+        ctx = ray.train.get_context()
+        self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self.resume_from = resume_from
+
+    def prepare_model(self, model):
+        import ray.train.torch
+        return ray.train.torch.prepare_model(model)
+
+    def report(self, metrics, checkpoint_dir):
+        import ray.train
+        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint,
+                         checkpoint_dir_name=checkpoint_name() if checkpoint else None)
+
+    def resume_dir(self):
+        import ray.train
+        checkpoint = ray.train.get_checkpoint()
+        return checkpoint.as_directory() if checkpoint is not None else _fallback(self.resume_from)
+
+
+class LocalContext(TrainContext):
+    """The only rank, in this process. Checkpoints go to ``run_dir`` (a local directory); it keeps
+    the newest ``keep`` of the ones it wrote."""
+
+    def __init__(self, run_dir: str, *, use_gpu: bool, keep: int, resume_from: Optional[str] = None):
+        self.rank, self.world_size = 0, 1
+        if use_gpu and not torch.cuda.is_available():
+            raise RuntimeError("ray.use_gpu is true but torch sees no CUDA device")
+        self.device = torch.device("cuda" if use_gpu else "cpu")
+        self.run_dir, self.keep, self.resume_from = run_dir, keep, resume_from
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+
+    def prepare_model(self, model):
+        return model.to(self.device)
+
+    def report(self, metrics, checkpoint_dir):
+        if checkpoint_dir:
+            name = checkpoint_name() + LOCAL_SUFFIX
+            tmp = Path(self.run_dir) / f".{name}.tmp"
+            shutil.copytree(checkpoint_dir, tmp)
+            tmp.rename(Path(self.run_dir) / name)  # complete or absent
+            for old in [c for c in list_checkpoints(self.run_dir) if c.endswith(LOCAL_SUFFIX)][:-self.keep]:
+                shutil.rmtree(Path(self.run_dir) / old)
+
+    def resume_dir(self):
+        return _fallback(self.resume_from)
+
+
+def checkpoint_name() -> str:
+    """Ray Train's own directory format, so names sort by time across both runners."""
+    return CHECKPOINT_PREFIX + datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
+
+
+def list_checkpoints(run_dir: str) -> list[str]:
+    """Names of the complete checkpoints (holding state.pt) in a local ``run_dir``, oldest first."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX)
+                  and (p / STATE_FILE).is_file())
+
+
+def latest_checkpoint(run_dir: str) -> Optional[str]:
+    """The newest checkpoint of the run, whichever runner wrote it."""
+    names = list_checkpoints(run_dir)
+    return str(Path(run_dir) / names[-1]) if names else None
