@@ -51,6 +51,8 @@ def test_tario_reads_what_webdataset_reads(tmp_path, fmt):
     assert ours == list(wds.tarfile_samples([{"url": str(path)}]))
     assert [s["__key__"] for s in ours][:2] == [f"{long_dir}/s_1", "s_2"]
     assert ours[0]["jpg"] == b"\xff" * 700 and ours[1]["cls"] == b""
+    index = tario.IndexedShards()  # headers only, bytes on demand: the same samples
+    assert [index.load(r) for r in index([{"url": str(path)}])] == ours
 
 
 def test_tario_matches_webdataset_on_shards(digits_dir):
@@ -60,6 +62,25 @@ def test_tario_matches_webdataset_on_shards(digits_dir):
     ours = list(tario.tarfile_samples(urls))
     assert len(ours) == read_dataset_info(digits_dir)["counts"]["train"]
     assert ours == list(wds.tarfile_samples(urls))
+    index = tario.IndexedShards()
+    records = list(index(urls))
+    assert [r["__key__"] for r in records] == [s["__key__"] for s in ours]
+    assert all(isinstance(r["jpg" if "jpg" in r else "png"], tuple) for r in records)  # no bytes held
+    assert [index.load(r) for r in reversed(records)] == ours[::-1]  # random access
+
+
+def test_train_loader_same_batches_from_a_url(digits_dir):
+    """URLs are read in full, local shards through the header index: the same batches."""
+    fsspec = pytest.importorskip("fsspec")
+    from pipeline.data import make_train_loader
+    fs = fsspec.filesystem("memory")
+    for p in digits_dir.iterdir():
+        fs.pipe(f"/shards_idx/{p.name}", p.read_bytes())
+    kw = dict(batch_size=16, image_size=8, steps_per_epoch=3, rank=0, world_size=1, epoch=1, seed=4,
+              augment={"random_resized_crop": [0.5, 1.0], "hflip": 0.5}, return_keys=True)
+    local, remote = list(make_train_loader(digits_dir, **kw)), list(make_train_loader("memory://shards_idx", **kw))
+    for (x, y, k), (x2, y2, k2) in zip(local, remote, strict=True):
+        assert k == k2 and torch.equal(x, x2) and torch.equal(y, y2)
 
 
 @pytest.mark.parametrize("damage, match", [

@@ -24,21 +24,15 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchvision.io import ImageReadMode, decode_image
 
-from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
+from pipeline.storage import is_url, join as _join
+
 from .device_augment import DeviceAugment
-from .tario import tarfile_samples
+from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
+from .tario import IndexedShards, tarfile_samples
 from .transforms import BatchFinish, SampleTransform
 
 IMAGE_KEYS = "png;jpg;jpeg;webp"
 _FSSPEC_SCHEMES = ("s3", "gcs", "az", "abfs", "memory")
-
-
-def _is_url(path) -> bool:
-    return "://" in str(path)
-
-
-def _join(base, name: str) -> str:
-    return str(base).rstrip("/") + "/" + name if _is_url(base) else os.path.join(str(base), name)
 
 
 def _fsspec_gopen(url, mode="rb", bufsize=8192, **kw):
@@ -53,7 +47,7 @@ for _scheme in _FSSPEC_SCHEMES:  # let webdataset's gopen read object stores thr
 def read_dataset_info(shard_dir) -> dict:
     """Load dataset.json from a shard directory or URL prefix (s3://..., memory://...)."""
     path = _join(shard_dir, "dataset.json")
-    if _is_url(shard_dir):
+    if is_url(shard_dir):
         import fsspec
         with fsspec.open(path, "rt") as f:
             return json.load(f)
@@ -171,8 +165,10 @@ class TrainBatch(NamedTuple):
 class _TrainSteps(IterableDataset):
     """A rank's train steps from ``(epoch, start_batch)`` to the end of epoch ``last_epoch``.
 
-    Every DataLoader worker reads the rank's streams in full (raw tar bytes: cheap) and decodes
-    and augments only the steps it owns (step k of the run goes to worker k % num_workers), so
+    Every DataLoader worker follows the rank's streams in full and reads, decodes and augments
+    only the steps it owns (step k of the run goes to worker k % num_workers). Local shards are
+    followed through an index of their tar headers (:class:`.tario.IndexedShards`, built once per
+    worker), so a skipped sample costs a few microseconds, not a tar read; URLs are read in full. So
     any worker count works, each step is one batch built and shipped by one worker (no assembly
     in the main process), and the DataLoader's round-robin order is step order.
     """
@@ -190,16 +186,18 @@ class _TrainSteps(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         mine = reader_streams(self.num_streams, self.rank, self.world_size)
+        local = not any(is_url(u) or u.startswith("pipe:") for u in self.urls)
+        read = IndexedShards() if local else tarfile_samples  # local tars: read only the samples we decode
         k = 0
         for epoch in self.epochs:
-            streams = open_streams(self.urls, mine, self.num_streams, seed=self.seed, epoch=epoch)
+            streams = open_streams(self.urls, mine, self.num_streams, seed=self.seed, epoch=epoch, read=read)
             first = self.start_batch if epoch == self.epochs.start else 0
             for b in range(self.steps):
                 raw = [sample for stream in streams for sample in islice(stream, self.chunk)]
                 if b < first:
                     continue
                 if k % num_workers == worker:
-                    yield self._batch(raw, epoch)
+                    yield self._batch([read.load(r) for r in raw] if local else raw, epoch)
                 k += 1
 
     def _batch(self, raw: list[dict], epoch: int) -> TrainBatch:

@@ -28,9 +28,11 @@ import math
 import random
 import zlib
 from collections import deque
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from .tario import tarfile_samples
+
+Reader = Callable[[Iterable[dict]], Iterator[dict]]
 
 
 DEFAULT_STREAMS = 8
@@ -84,7 +86,7 @@ def stream_shards(urls: list[str], num_streams: int, g: int, *, seed: int, epoch
 
 
 def open_streams(urls: list[str], streams: list[int], num_streams: int, *, seed: int, epoch: int,
-                 buffer: int = STREAM_BUFFER) -> list[Iterator[dict]]:
+                 buffer: int = STREAM_BUFFER, read: Reader = tarfile_samples) -> list[Iterator[dict]]:
     """Endless raw samples (webdataset dicts plus ``__pass__``) of each stream in ``streams``.
 
     A stream goes pass after pass over its samples; each pass is shuffled on its own (shard order,
@@ -92,12 +94,14 @@ def open_streams(urls: list[str], streams: list[int], num_streams: int, *, seed:
     samples: none repeats before all were seen, however small the stream. With fewer shards than
     streams, the given streams share one read of the shards (each pass in an order seeded by
     (seed, epoch, pass)), so a reader reads the split once per pass whatever its stream count.
+    ``read`` turns ``[{"url": ...}]`` into samples (``tarfile_samples``, or index records from
+    :class:`.tario.IndexedShards`: the order only depends on keys).
     """
     if len(urls) >= num_streams:
         raws = [_shard_passes(stream_shards(urls, num_streams, g, seed=seed, epoch=epoch)[0], g,
-                              num_streams, f"{seed}:{epoch}:{g}") for g in streams]
+                              num_streams, f"{seed}:{epoch}:{g}", read) for g in streams]
     else:
-        source = _ModuloSource(urls, streams, num_streams, f"{seed}:{epoch}")
+        source = _ModuloSource(urls, streams, num_streams, f"{seed}:{epoch}", read)
         raws = [source.stream(g) for g in streams]
     return [_pass_shuffled(raw, buffer, f"{seed}:{epoch}:{g}") for g, raw in zip(streams, raws)]
 
@@ -108,14 +112,14 @@ def stream_samples(urls: list[str], g: int, num_streams: int, *, seed: int, epoc
     return open_streams(urls, [g], num_streams, seed=seed, epoch=epoch, buffer=buffer)[0]
 
 
-def _shard_passes(shards: list[str], g: int, num_streams: int, tag: str) -> Iterator[dict]:
+def _shard_passes(shards: list[str], g: int, num_streams: int, tag: str, read: Reader) -> Iterator[dict]:
     """Stream g owning ``shards``: every pass reads them all, in an order seeded by (tag, pass)."""
     n_pass = 0
     while True:
         order = list(shards)
         random.Random(f"{tag}:{n_pass}").shuffle(order)
         n = 0
-        for sample in tarfile_samples([{"url": u} for u in order]):
+        for sample in read([{"url": u} for u in order]):
             sample["__pass__"] = n_pass
             n += 1
             yield sample
@@ -128,8 +132,8 @@ class _ModuloSource:
     """Fewer shards than streams: one endless read of all shards (pass p in an order seeded by
     (tag, p)), dealt to the wanted streams by key index modulo S, the rest dropped before decoding."""
 
-    def __init__(self, urls: list[str], streams: list[int], num_streams: int, tag: str):
-        self.urls, self.num_streams, self.tag = list(urls), num_streams, tag
+    def __init__(self, urls: list[str], streams: list[int], num_streams: int, tag: str, read: Reader):
+        self.urls, self.num_streams, self.tag, self.read = list(urls), num_streams, tag, read
         self.queues: dict[int, deque] = {g: deque() for g in streams}
         self.source = self._read()
 
@@ -139,7 +143,7 @@ class _ModuloSource:
             order = list(self.urls)
             random.Random(f"{self.tag}:{n_pass}").shuffle(order)
             got = dict.fromkeys(self.queues, 0)
-            for sample in tarfile_samples([{"url": u} for u in order]):
+            for sample in self.read([{"url": u} for u in order]):
                 g = key_index(sample["__key__"]) % self.num_streams
                 if g in got:
                     got[g] += 1

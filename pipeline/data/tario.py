@@ -60,9 +60,13 @@ def _pax_path(records: bytes) -> str | None:
     return None
 
 
-def tar_members(stream: IO[bytes], url: str) -> Iterator[tuple[str, bytes]]:
-    """``(name, data)`` of every regular file in a tar stream, in archive order."""
-    long_name, first = None, True
+def tar_members(stream: IO[bytes], url: str, *, skip_data: bool = False) -> Iterator[tuple[str, bytes | None, int, int]]:
+    """``(name, data, offset, size)`` of every regular file in a tar stream, in archive order.
+
+    With ``skip_data`` (a seekable file) the members' bytes are seeked over, not read, and ``data``
+    is None: an index of where each member lies, at the cost of its header alone.
+    """
+    long_name, first, pos = None, True, 0
     while True:
         header = stream.read(BLOCK)
         if first and not header:
@@ -75,10 +79,15 @@ def tar_members(stream: IO[bytes], url: str) -> Iterator[tuple[str, bytes]]:
         if not _checksum_ok(header, url):
             raise TarFormatError(f"{url}: tar header checksum mismatch: not a tar file, or corrupt")
         size = _number(header[124:136], url)
-        kind = header[156:157]
-        data = _read(stream, size, url, f"member of {size} bytes")
-        if size % BLOCK:
-            _read(stream, BLOCK - size % BLOCK, url, "padding")
+        kind, offset, padded = header[156:157], pos + BLOCK, size + (-size % BLOCK)
+        pos = offset + padded
+        if skip_data and kind in _REGULAR:
+            data = None
+            stream.seek(padded, 1)
+        else:
+            data = _read(stream, size, url, f"member of {size} bytes")
+            if size % BLOCK:
+                _read(stream, BLOCK - size % BLOCK, url, "padding")
         if kind in _REGULAR:
             if long_name is not None:
                 name, long_name = long_name, None
@@ -86,7 +95,7 @@ def tar_members(stream: IO[bytes], url: str) -> Iterator[tuple[str, bytes]]:
                 name = header[:100].split(b"\0", 1)[0].decode("utf-8")
                 if header[257:262] == b"ustar" and header[345] != 0:
                     name = header[345:500].split(b"\0", 1)[0].decode("utf-8") + "/" + name
-            yield name, data
+            yield name, data, offset, size
         elif kind == b"x":
             long_name = _pax_path(data) or long_name
         elif kind == b"L":
@@ -100,7 +109,7 @@ def tar_file_expander(sources: Iterable[dict]) -> Iterator[dict]:
     for source in sources:
         url, stream = source["url"], source["stream"]
         try:
-            for name, data in tar_members(stream, url):
+            for name, data, _, _ in tar_members(stream, url):
                 if not _SKIP_META.match(name):
                     yield {"fname": name, "data": data, "__url__": url}
         finally:
@@ -113,3 +122,40 @@ def tar_file_expander(sources: Iterable[dict]) -> Iterator[dict]:
 def tarfile_samples(src: Iterable[dict]) -> Iterator[dict]:
     """Drop-in for ``webdataset.tarfile_samples``: ``[{"url": ...}, ...]`` -> samples (dicts by key)."""
     return tariterators.group_by_keys(tar_file_expander(tariterators.url_opener(src)))
+
+
+class IndexedShards:
+    """Samples of local tar shards as index records: webdataset's sample dicts with ``(offset,
+    size)`` in place of each member's bytes, each shard's headers scanned once and kept; :meth:`load`
+    reads one record's bytes. A reader that needs the order of all samples but the bytes of only a
+    few (a loader worker that decodes every n-th step) skips most of what a sample read costs."""
+
+    def __init__(self):
+        self._index: dict[str, list[dict]] = {}
+        self._files: dict[str, IO[bytes]] = {}
+
+    def __call__(self, sources: Iterable[dict]) -> Iterator[dict]:
+        """``tarfile_samples``' signature, yielding records (fresh dicts: the streams tag them)."""
+        for source in sources:
+            for record in self._shard(source["url"]):
+                yield dict(record)
+
+    def _shard(self, url: str) -> list[dict]:
+        if url not in self._index:
+            with open(url, "rb") as f:
+                files = ({"fname": name, "data": (offset, size), "__url__": url}
+                         for name, _, offset, size in tar_members(f, url, skip_data=True)
+                         if not _SKIP_META.match(name))
+                self._index[url] = list(tariterators.group_by_keys(files))
+        return self._index[url]
+
+    def load(self, record: dict) -> dict:
+        """The record as ``tarfile_samples`` would have yielded it (member bytes by extension)."""
+        url = record["__url__"]
+        f = self._files.get(url) or self._files.setdefault(url, open(url, "rb"))
+        sample = dict(record)
+        for ext, value in record.items():
+            if not ext.startswith("__"):
+                f.seek(value[0])
+                sample[ext] = f.read(value[1])
+        return sample
