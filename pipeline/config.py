@@ -98,6 +98,9 @@ class TrainConfig:
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
     ema_decay: Optional[float] = None
+    ema_warmup: bool = True
+    keep: str = "last"
+    early_stop_patience: Optional[int] = None
     amp: str = "auto"
     layer_decay: Optional[float] = None
     max_worker_batch: Optional[int] = None
@@ -259,6 +262,7 @@ def validate(p: Params) -> Params:
     """Cross-field checks that a type check alone cannot catch."""
     from pipeline.data.transforms import resolve_augment  # local imports: config stays importable without torch
     from pipeline.model import PRESETS
+    from pipeline.train.selection import KEEP_CHOICES
 
     for name in ("pretrain", "finetune"):
         d: DataConfig = getattr(p.data, name)
@@ -298,6 +302,9 @@ def validate(p: Params) -> Params:
         if not 0.0 <= t.label_smoothing < 1.0:
             raise ConfigError(f"{stage}.label_smoothing: {t.label_smoothing!r} must be in [0, 1)")
         _choice(f"{stage}.amp", t.amp, AMP_MODES)
+        _choice(f"{stage}.keep", t.keep, KEEP_CHOICES)
+        if t.early_stop_patience is not None:
+            _positive(f"{stage}.early_stop_patience", t.early_stop_patience)
         for k in ("ema_decay", "layer_decay"):
             v = getattr(t, k)
             if v is not None and not 0.0 < v <= 1.0:

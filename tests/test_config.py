@@ -99,3 +99,10 @@ def test_cifar10_recipe_expands_to_valid_overrides(tmp_path):
     args = shlex.split(proc.stdout)  # what xargs hands to `dvc exp run`
     assert proc.returncode == 0 and args[0] == "-S" and "data.pretrain.root=\"/x y/cifar\"" in args
     assert main([str(ROOT / "configs/cifar10.yaml"), "--set", "model.num_heads=5"]) == 2
+
+
+def test_one_gpu_recipe_is_valid_and_runs_in_process():
+    from pipeline.recipes import recipe_overrides
+    p = load_params(ROOT / "params.yaml", overrides=recipe_overrides(str(ROOT / "configs/cifar10-1gpu.yaml")))
+    assert p.ray.backend == "local" and p.ray.use_gpu and p.ray.loader_workers == 15
+    assert p.pretrain.keep == "best" and p.pretrain.ema_decay and p.pretrain.ema_warmup and p.pretrain.compile

@@ -72,3 +72,66 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir):
     assert alone > 0 and fed > 0
     assert float(lines["feed ratio"].split()[0]) == pytest.approx(fed / alone, rel=0.01)
     assert "batch 64" in proc.stdout and "1 loader workers" in proc.stdout  # one rank takes the global batch
+
+
+def test_ema_warmup_follows_the_schedule_and_resumes():
+    """Update 0 copies the weights (decay 0), then 1 - (1 + t)^(-2/3) until it reaches ema_decay."""
+    from pipeline.train.recipe import EMA, ema_decay_at
+    assert ema_decay_at(0, 0.9998, True) == 0.0
+    assert ema_decay_at(9, 0.9998, True) == pytest.approx(1 - 10 ** (-2 / 3))
+    assert ema_decay_at(10**9, 0.9998, True) == 0.9998 and ema_decay_at(0, 0.9998, False) == 0.9998
+    decays = [ema_decay_at(t, 0.99, True) for t in range(5000)]
+    assert all(a <= b for a, b in zip(decays, decays[1:])) and decays[-1] == 0.99
+    model = torch.nn.Linear(3, 2)
+    ema = EMA(model, 0.99)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema.update(model)
+    assert torch.equal(ema.module.weight, model.weight)  # random start forgotten at once
+    before = ema.module.weight.clone()
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    ema.update(model)
+    d = ema_decay_at(1, 0.99, True)  # ~0.37: a fixed 0.99 would have moved 0.02 of the way
+    torch.testing.assert_close(ema.module.weight, d * before + (1 - d) * model.weight)
+    fixed = EMA(torch.nn.Linear(3, 2), 0.99, warmup=False)
+    fixed.update(model)
+    assert not torch.equal(fixed.module.weight, model.weight)
+    restored = EMA(torch.nn.Linear(3, 2), 0.99)
+    restored.load_state_dict(ema.state_dict())
+    assert restored.updates == 2 and torch.equal(restored.module.weight, ema.module.weight)
+
+
+def _evals(*pairs):
+    """Evaluated epochs with (raw, ema) val top-1 (ema None: no EMA)."""
+    rows = []
+    for epoch, (raw, ema) in enumerate(pairs, start=1):
+        row = {"epoch": epoch, "step": 10 * epoch, "val_top1": raw}
+        if ema is not None:
+            row["val_top1_ema"] = ema
+        rows.append(row)
+    return rows
+
+
+def test_selection_keeps_the_better_weights_best_or_last_and_stops_early():
+    from pipeline.train.selection import Selection, summary
+    rows = _evals((0.5, 0.6), (0.85, 0.7), (0.8, 0.82), (0.91, 0.95), (0.9, 0.9))
+    last, best = Selection(keep="last"), Selection(keep="best", patience=2)
+    for i, row in enumerate(rows):
+        last.wall_time_s = best.wall_time_s = 10.0 * (i + 1)
+        changed = [last.update(row, images=100 * (i + 1)), best.update(row, images=100 * (i + 1))]
+        assert changed[0]
+        assert changed[1] == (row["epoch"] in (1, 2, 4))
+    assert last.kept["epoch"] == 5 and last.kept["source"] == "raw"  # tie: raw
+    assert best.kept == {"epoch": 4, "step": 40, "source": "ema", "val_top1": 0.95,
+                         "reason": "keep: best: ema weights of the best evaluation (val top-1 EMA 0.9500 vs raw 0.9100)"}
+    assert not best.stopped and best.stale == 1
+    best.update(_evals((0.1, 0.2))[0] | {"epoch": 6}, images=600)
+    assert best.stopped and best.stopped_epoch == 6
+    s = summary(best)
+    assert s["kept_epoch"] == 4 and s["stopped_epoch"] == 6
+    assert (s["epoch_to_top1_80"], s["epoch_to_top1_90"], s["epoch_to_top1_93"]) == (2, 4, 4)
+    assert s["time_to_top1_80_s"] == 20.0 and s["images_to_top1_93"] == 400
+    again = Selection()
+    again.load_state_dict(best.state_dict())
+    assert again == best

@@ -178,7 +178,8 @@ def test_optimizer_is_fused_adamw_and_steps_like_the_reference():
 
 def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
     """World-size invariance: same global batch and seed → same samples and augmentations per global
-    step, so the first-step loss (mean over the global batch) matches on 1 and 2 workers."""
+    step, so the first-step loss (mean over the global batch) matches on 1 and 2 workers (the latter
+    with a DataLoader worker in each Ray worker)."""
     from mlflow.tracking import MlflowClient
 
     losses = {}
@@ -186,7 +187,7 @@ def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
         def edit(raw, workers=workers):
             raw = short_run(raw)
             raw["pretrain"].update(epochs=1, checkpoint_every_steps=None, log_every_steps=1)
-            raw["ray"]["num_workers"] = workers
+            raw["ray"].update(num_workers=workers, loader_workers=workers - 1)  # 2 ranks x 1 DataLoader worker
             return raw
 
         repo = make_repo(tmp_path_factory.mktemp(f"w{workers}"), edit=edit)
@@ -235,3 +236,44 @@ def test_local_runner_and_one_ray_worker_agree_and_resume_each_other(tmp_path_fa
         assert set(history) == set(range(1, STEPS_PER_EPOCH + 1))
         first_loss[first] = history[1]
     assert first_loss["ray"] == pytest.approx(first_loss["local"], rel=1e-6)
+
+
+def test_keep_best_of_raw_and_ema_and_stop_early(tmp_path):
+    """EMA on, ``keep: best``, ``early_stop_patience: 1``: the run stops at the first evaluation
+    without a new best, the saved model is the best epoch's better weight set (its val top-1 is the
+    one recorded), and metrics/pretrain.json and MLflow say the same."""
+    from pipeline.data import make_eval_loader
+    from pipeline.model import load_model
+    from pipeline.train.selection import candidate
+
+    def edit(raw):
+        raw = short_run(raw)
+        raw["pretrain"].update(epochs=8, lr=0.01, ema_decay=0.99, keep="best", early_stop_patience=1,
+                               checkpoint_every_steps=None)
+        raw["ray"]["backend"] = "local"
+        return raw
+
+    repo = make_repo(tmp_path / "repo", edit=edit)
+    for cmd in (["python", "-m", "stages.shard", "pretrain"], ["python", "-m", "stages.pretrain"]):
+        proc = run(cmd, repo)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, summary = final_state(repo)
+    scores = [candidate({k: float(v) for k, v in r.items() if k.startswith("val_top1")}) for r in rows]
+    best_so_far = [max(s for _, s in scores[:i]) for i in range(1, len(scores) + 1)]
+    stop = next(i for i in range(1, len(scores)) if scores[i][1] <= best_so_far[i - 1]) + 1
+    assert summary["stopped_epoch"] == stop == len(rows) < 8 and "early stop after epoch" in proc.stdout
+    kept = max(range(len(scores)), key=lambda i: (scores[i][1], -i))
+    assert summary["kept_epoch"] == kept + 1 and summary["kept_source"] == scores[kept][0]
+    model, meta = load_model(repo / "models/pretrain")
+    model.eval()
+    correct = n = 0
+    with torch.no_grad():
+        for x, y in make_eval_loader(repo / "data/shards/pretrain", "val", batch_size=64, image_size=meta["image_size"],
+                                     rank=0, world_size=1, augment=meta["normalize"]):
+            correct += (model(x).argmax(-1) == y).sum().item()
+            n += len(y)
+    assert correct / n == pytest.approx(summary["kept_val_top1"], abs=1.5 / n)
+    client, (r,) = pretrain_runs(repo)
+    assert r.data.tags["kept_weights"] == summary["kept_source"] and "keep: best" in r.data.tags["kept_reason"]
+    for key in ("kept_epoch", "kept_val_top1", "stopped_epoch", "wall_time_s"):
+        assert r.data.metrics[key] == pytest.approx(summary[key]), key

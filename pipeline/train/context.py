@@ -81,7 +81,8 @@ class LocalContext(TrainContext):
     def __init__(self, run_dir: str, *, use_gpu: bool, keep: int, resume_from: Optional[str] = None):
         self.rank, self.world_size = 0, 1
         if use_gpu and not torch.cuda.is_available():
-            raise RuntimeError("ray.use_gpu is true but torch sees no CUDA device")
+            raise ValueError("ray.use_gpu: true with ray.backend: local needs a CUDA device and torch sees none "
+                             "(set ray.use_gpu: false to train on the CPU)")
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.run_dir, self.keep, self.resume_from = run_dir, keep, resume_from
         Path(run_dir).mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from pipeline.model import VisionTransformer
 from pipeline.train.checkpoint import load_state
 from pipeline.train.context import latest_checkpoint
 from pipeline.train.loop_config import LoopConfig, LoopRun
+from pipeline.train.selection import Selection
 from pipeline.utils import atomic_write_text
 
 
@@ -43,6 +44,7 @@ class TrainResult:
     history: list[dict]
     run_name: str
     checkpoint_path: str
+    selection: Selection
 
 
 def worker_batch(global_batch: int, world: int) -> int:
@@ -80,7 +82,8 @@ def plan_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTra
         lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay,
         warmup_steps=int(round(cfg.warmup_epochs * steps)), label_smoothing=cfg.label_smoothing,
         grad_clip=cfg.grad_clip, seed=cfg.seed, eval_every=cfg.eval_every, augment=dict(cfg.augment),
-        mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, ema_decay=cfg.ema_decay, amp=cfg.amp,
+        mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, ema_decay=cfg.ema_decay,
+        ema_warmup=cfg.ema_warmup, keep=cfg.keep, early_stop_patience=cfg.early_stop_patience, amp=cfg.amp,
         compile=cfg.compile, checkpoint_every_steps=cfg.checkpoint_every_steps,
         log_every_steps=cfg.log_every_steps, loader_workers=loader_workers(params.ray), verbose=params.ray.verbose)
     # the backend is not part of the identity: a local run and a 1-worker Ray run continue each other
@@ -126,11 +129,12 @@ def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: st
     else:
         checkpoint = _fit_ray(plan, run, params, storage_path, storage_fs)
     final = load_state(checkpoint)
-    weights = final["model"]
-    if final.get("ema"):  # the EMA weights are the ones to keep when EMA is on
-        weights = {k[len("module."):]: v for k, v in final["ema"].items() if k.startswith("module.")}
-    model.load_state_dict(weights)
-    return TrainResult(model=model, history=final["history"], run_name=plan.run_name, checkpoint_path=str(checkpoint))
+    selection = Selection()
+    selection.load_state_dict(final["selection"])
+    model.load_state_dict(selection.weights)  # the raw or EMA weights that keep: last|best chose
+    selection.weights = None
+    return TrainResult(model=model, history=final["history"], run_name=plan.run_name,
+                       checkpoint_path=str(checkpoint), selection=selection)
 
 
 def _fit_local(plan: TrainPlan, run: LoopRun, params: Params, run_dir: str) -> str:

@@ -33,6 +33,9 @@ class LoopConfig:
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
     ema_decay: Optional[float] = None
+    ema_warmup: bool = True
+    keep: str = "last"
+    early_stop_patience: Optional[int] = None
     amp: str = "auto"
     compile: bool = False
     checkpoint_every_steps: Optional[int] = None

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
 
@@ -34,11 +34,48 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothi
     return torch.sum(-target * F.log_softmax(logits, dim=-1), dim=-1).mean()
 
 
-def make_ema(model: nn.Module, decay: float | None) -> AveragedModel | None:
-    """Exponential moving average of the weights (kept on the training device), or None."""
-    if not decay:
-        return None
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+EMA_WARMUP_POWER = 2 / 3  # timm ModelEmaV3's default: decay 0.9 after ~30 updates, 0.99 after ~1,000
+
+
+def ema_decay_at(updates: int, decay: float, warmup: bool) -> float:
+    """The decay of update number ``updates`` (0-based): with ``warmup``, timm ModelEmaV3's
+    ``1 - (1 + t) ** -power`` capped at ``decay``, so the average forgets its random start within
+    the first few hundred steps instead of the ~1 / (1 - decay) steps a fixed decay needs."""
+    if not warmup:
+        return decay
+    return min(decay, 1.0 - (1.0 + updates) ** -EMA_WARMUP_POWER)
+
+
+class EMA(nn.Module):
+    """Exponential moving average of a model's weights, kept on the training device.
+
+    The update count is a Python int (saved as the module's extra state), so an update never
+    waits for the GPU, unlike ``torch.optim.swa_utils.AveragedModel``'s device counter.
+    """
+
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = True):
+        super().__init__()
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self.decay, self.warmup, self.updates = decay, warmup, 0
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        weight = 1.0 - ema_decay_at(self.updates, self.decay, self.warmup)
+        torch._foreach_lerp_(list(self.module.parameters()), list(model.parameters()), weight)
+        for mine, theirs in zip(self.module.buffers(), model.buffers()):
+            mine.copy_(theirs)
+        self.updates += 1
+
+    def get_extra_state(self) -> dict:
+        return {"updates": self.updates}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.updates = state["updates"]
+
+
+def make_ema(model: nn.Module, decay: float | None, warmup: bool = True) -> EMA | None:
+    """EMA of ``model``'s weights, or None when ``decay`` is unset."""
+    return EMA(model, decay, warmup) if decay else None
 
 
 def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:

@@ -16,6 +16,7 @@ from pipeline.plots import plot_history
 from pipeline import storage
 from pipeline.tracking import stage_run
 from pipeline.train.driver import fit, plan_training, world_size, write_history
+from pipeline.train.selection import summary as selection_summary
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
 
 
@@ -36,7 +37,12 @@ def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionT
                    tags=tags, resume_key=plan.run_name, system_metrics=True) as run:
         result = fit(plan, params, model, run_id=run.info.run_id)
         final = result.history[-1]
-        summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "step") if k in final}
+        summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema", "step",
+                                         "images_seen") if k in final}
+        summary.update(selection_summary(result.selection))
+        mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and k.startswith(
+            ("kept_", "stopped_", "epoch_to_", "time_to_", "images_to_", "wall_"))})
+        mlflow.set_tags({"kept_weights": result.selection.kept["source"], "kept_reason": result.selection.kept["reason"]})
         out_dir = MODELS / stage
         aug = resolve_augment(cfg.augment)
         meta = {"classes": info["classes"], "image_size": cfg.image_size,
@@ -49,7 +55,8 @@ def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionT
         for path in (METRICS / f"{stage}.json", PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png",
                      out_dir / "config.json"):
             mlflow.log_artifact(str(path))
-    print(f"[{stage}] done: val top-1 {summary.get('val_top1', float('nan')):.4f} -> {out_dir}/", flush=True)
+    print(f"[{stage}] done: kept epoch {summary['kept_epoch']} ({summary['kept_source']} weights, val top-1 "
+          f"{summary['kept_val_top1']:.4f}) -> {out_dir}/", flush=True)
     return summary
 
 

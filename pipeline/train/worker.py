@@ -28,6 +28,7 @@ from pipeline.train.context import TrainContext
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.optim import accumulation, build_optimizer
 from pipeline.train.recipe import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
+from pipeline.train.selection import Selection
 
 
 def _all_reduce(values: list[float | torch.Tensor], device: torch.device) -> list[float]:
@@ -71,7 +72,7 @@ class Stepper:
             total_steps=cfg.steps_per_epoch * cfg.epochs, layer_decay=cfg.layer_decay)
         self.dtype = amp_dtype(cfg.amp, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
-        self.ema = make_ema(unwrap(model), cfg.ema_decay)
+        self.ema = make_ema(unwrap(model), cfg.ema_decay, cfg.ema_warmup)
         self.mixer = batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, cfg.model["num_classes"])
 
     def objects(self) -> dict:
@@ -103,8 +104,15 @@ class Stepper:
         self.scaler.update()
         self.scheduler.step()
         if self.ema is not None:
-            self.ema.update_parameters(unwrap(self.model))
+            self.ema.update(unwrap(self.model))
         return loss_sum, correct
+
+
+def _select(selection: Selection, metrics: dict, stepper: Stepper, keep_weights: bool) -> None:
+    """After an evaluation: let the selection see it, and copy the weights it now keeps (rank 0)."""
+    if selection.update(metrics, images=metrics["images_seen"]) and keep_weights:
+        net = stepper.ema.module if selection.kept["source"] == "ema" else unwrap(stepper.model)
+        selection.weights = {k: v.detach().to("cpu", copy=True) for k, v in net.state_dict().items()}
 
 
 def _fmt_time(seconds: float) -> str:
@@ -158,11 +166,13 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     model.load_state_dict(run.init_state)
     model = ctx.prepare_model(model)
     stepper = Stepper(model, cfg, ctx.device)
-    progress = restore(stepper.objects(), ctx=ctx) or Progress()
+    selection = Selection(keep=cfg.keep, patience=cfg.early_stop_patience)
+    objects = {**stepper.objects(), "selection": selection}
+    progress = restore(objects, ctx=ctx) or Progress()
     if progress.step and ctx.rank == 0:
         print(f"[{cfg.stage}] resumed from checkpoint: epoch {progress.epoch}, "
               f"batch {progress.batch_in_epoch}, step {progress.step}", flush=True)
-    if progress.epoch >= cfg.epochs:
+    if progress.epoch >= cfg.epochs or selection.stopped:
         return
     logger = None
     if ctx.rank == 0 and run.run_id:
@@ -187,7 +197,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
             _log_step(cfg, ctx, logger, progress.step, step_loss / labels.numel(), stepper)
             every = cfg.checkpoint_every_steps
             if every and progress.step % every == 0 and progress.batch_in_epoch < cfg.steps_per_epoch:
-                save_and_report({"step": progress.step, "epoch": epoch}, ctx=ctx, objects=stepper.objects(),
+                save_and_report({"step": progress.step, "epoch": epoch}, ctx=ctx, objects=objects,
                                 progress=progress, extra=extra)
         loss_sum, correct, seen = _all_reduce([loss_sum, correct, seen], ctx.device)
         elapsed = time.time() - t0
@@ -199,6 +209,11 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
             if stepper.ema is not None:
                 metrics.update(evaluate_split(stepper.ema.module, val_loader, amp=cfg.amp, device=ctx.device,
                                               suffix="_ema"))
+        selection.wall_time_s += time.time() - t0
+        metrics.update(wall_time_s=selection.wall_time_s,
+                       images_seen=progress.step * cfg.per_worker_batch * ctx.world_size)
+        if "val_top1" in metrics:
+            _select(selection, metrics, stepper, keep_weights=ctx.rank == 0)
         progress.history.append(metrics)
         progress.epoch, progress.batch_in_epoch = epoch + 1, 0
         if ctx.rank == 0:
@@ -207,7 +222,12 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
             if logger:
                 logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")},
                                    step=progress.step)
-        save_and_report(metrics, ctx=ctx, objects=stepper.objects(), progress=progress, extra=extra)
+        save_and_report(metrics, ctx=ctx, objects=objects, progress=progress, extra=extra)
+        if selection.stopped:
+            if ctx.rank == 0:
+                print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
+                      f"{selection.best:.4f} for {cfg.early_stop_patience} evaluation(s)", flush=True)
+            break
 
 
 def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss: torch.Tensor, stepper: Stepper) -> None:
