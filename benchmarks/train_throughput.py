@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import load_params  # noqa: E402
+from pipeline.config import ConfigError, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.transforms import with_dataset_stats  # noqa: E402
 from pipeline.model import build_vit  # noqa: E402
@@ -96,7 +96,10 @@ def main() -> None:
 
     overrides = recipe_overrides(args.recipe, args.set) if args.recipe else recipe_overrides_from(args.set)
     overrides["ray.backend"] = "local"  # one rank: the whole global batch on this device
-    params = load_params(args.params, overrides=overrides)
+    try:
+        params = load_params(args.params, overrides=overrides)
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")
     shard_dir = cifar_shards(args.shards) if args.cifar else args.shards
     info = read_dataset_info(shard_dir)
     cfg = getattr(params, args.stage)
