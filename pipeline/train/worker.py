@@ -181,34 +181,16 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     extra = {"config": cfg.model, "train_config": dataclasses.asdict(cfg)}
     batches, val_loader = _loaders(cfg, ctx, progress)
     run_start, start_step = time.time(), progress.step
+
+    def checkpoint(metrics: dict) -> None:
+        save_and_report(metrics, ctx=ctx, objects=objects, progress=progress, extra=extra)
+
     for epoch in range(progress.epoch, cfg.epochs):
-        t0, seen = time.time(), 0
-        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
-        model.train()
-        for b, (images, labels) in enumerate(islice(batches, cfg.steps_per_epoch - progress.batch_in_epoch),
-                                             start=progress.batch_in_epoch):
-            _maybe_fail(run.fault, progress.step, ctx)
-            step_loss, step_correct = stepper(images, labels)
-            loss_sum += step_loss
-            correct += step_correct
-            seen += labels.numel()
-            progress.step, progress.batch_in_epoch = progress.step + 1, b + 1
-            _log_step(cfg, ctx, logger, progress.step, step_loss / labels.numel(), stepper)
-            every = cfg.checkpoint_every_steps
-            if every and progress.step % every == 0 and progress.batch_in_epoch < cfg.steps_per_epoch:
-                save_and_report({"step": progress.step, "epoch": epoch}, ctx=ctx, objects=objects,
-                                progress=progress, extra=extra)
-        loss_sum, correct, seen = _all_reduce([loss_sum, correct, seen], ctx.device)
-        elapsed = time.time() - t0
-        metrics = {"epoch": epoch + 1, "step": progress.step, "train_loss": loss_sum / max(seen, 1),
-                   "train_top1": correct / max(seen, 1), "lr": stepper.scheduler.get_last_lr()[0],
-                   "images_per_s": seen / max(elapsed, 1e-9), "epoch_time_s": elapsed}
+        t0 = time.time()
+        totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, run.fault, checkpoint)
+        metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0)
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
-            metrics.update(evaluate_split(unwrap(model), val_loader, amp=cfg.amp, device=ctx.device))
-            if stepper.ema is not None:
-                metrics.update(evaluate_split(stepper.ema.module, val_loader, amp=cfg.amp, device=ctx.device,
-                                              suffix="_ema"))
+            metrics.update(_evaluate(cfg, ctx, stepper, val_loader))
         selection.wall_time_s += time.time() - t0
         metrics.update(wall_time_s=selection.wall_time_s,
                        images_seen=progress.step * cfg.per_worker_batch * ctx.world_size)
@@ -217,17 +199,54 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
         progress.history.append(metrics)
         progress.epoch, progress.batch_in_epoch = epoch + 1, 0
         if ctx.rank == 0:
-            _print_epoch(cfg, metrics, elapsed, eta=(time.time() - run_start) / max(1, progress.step - start_step)
+            _print_epoch(cfg, metrics, eta=(time.time() - run_start) / max(1, progress.step - start_step)
                          * (cfg.epochs * cfg.steps_per_epoch - progress.step))
             if logger:
                 logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")},
                                    step=progress.step)
-        save_and_report(metrics, ctx=ctx, objects=objects, progress=progress, extra=extra)
+        checkpoint(metrics)
         if selection.stopped:
             if ctx.rank == 0:
                 print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
                       f"{selection.best:.4f} for {cfg.early_stop_patience} evaluation(s)", flush=True)
             break
+
+
+def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress, epoch: int,
+                 logger, fault: dict | None, checkpoint) -> list:
+    """The rest of ``epoch``'s steps; returns [loss sum, correct, samples] summed over all ranks."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    seen = 0
+    stepper.model.train()
+    for b, (images, labels) in enumerate(islice(batches, cfg.steps_per_epoch - progress.batch_in_epoch),
+                                         start=progress.batch_in_epoch):
+        _maybe_fail(fault, progress.step, ctx)
+        step_loss, step_correct = stepper(images, labels)
+        loss_sum += step_loss
+        correct += step_correct
+        seen += labels.numel()
+        progress.step, progress.batch_in_epoch = progress.step + 1, b + 1
+        _log_step(cfg, ctx, logger, progress.step, step_loss / labels.numel(), stepper)
+        every = cfg.checkpoint_every_steps
+        if every and progress.step % every == 0 and progress.batch_in_epoch < cfg.steps_per_epoch:
+            checkpoint({"step": progress.step, "epoch": epoch})
+    return _all_reduce([loss_sum, correct, seen], ctx.device)
+
+
+def _epoch_metrics(stepper: Stepper, totals: list, epoch: int, step: int, elapsed: float) -> dict:
+    loss_sum, correct, seen = totals
+    return {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(seen, 1),
+            "train_top1": correct / max(seen, 1), "lr": stepper.scheduler.get_last_lr()[0],
+            "images_per_s": seen / max(elapsed, 1e-9), "epoch_time_s": elapsed}
+
+
+def _evaluate(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, val_loader) -> dict:
+    """Val loss and top-1 of the raw weights and, with EMA on, of the EMA weights (``*_ema``)."""
+    metrics = evaluate_split(unwrap(stepper.model), val_loader, amp=cfg.amp, device=ctx.device)
+    if stepper.ema is not None:
+        metrics.update(evaluate_split(stepper.ema.module, val_loader, amp=cfg.amp, device=ctx.device, suffix="_ema"))
+    return metrics
 
 
 def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss: torch.Tensor, stepper: Stepper) -> None:
@@ -240,8 +259,8 @@ def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss: torch
         logger.log_metrics({"train_loss_step": global_loss, "lr_step": stepper.scheduler.get_last_lr()[0]}, step=step)
 
 
-def _print_epoch(cfg: LoopConfig, metrics: dict, elapsed: float, eta: float) -> None:
+def _print_epoch(cfg: LoopConfig, metrics: dict, eta: float) -> None:
     val = "".join(f" {k} {metrics[k]:.4f}" for k in ("val_loss", "val_top1", "val_top1_ema") if k in metrics)
     print(f"[{cfg.stage}] epoch {metrics['epoch']}/{cfg.epochs} step {metrics['step']} "
           f"loss {metrics['train_loss']:.4f} top1 {metrics['train_top1']:.4f}{val} | "
-          f"{metrics['images_per_s']:.0f} img/s | {elapsed:.1f}s/epoch | ETA {_fmt_time(eta)}", flush=True)
+          f"{metrics['images_per_s']:.0f} img/s | {metrics['epoch_time_s']:.1f}s/epoch | ETA {_fmt_time(eta)}", flush=True)
