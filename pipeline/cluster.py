@@ -1,10 +1,15 @@
-"""Start (or join) the Ray cluster the stages run on."""
+"""The Ray cluster the stages run on: how many ranks, and starting (or joining) it."""
 from __future__ import annotations
 
 import logging
 import os
 
 from pipeline.config import RayConfig
+
+
+def world_size(cfg: RayConfig) -> int:
+    """Ranks of a training run: ``ray.num_workers``, or 1 in-process with ``ray.backend: local``."""
+    return 1 if cfg.backend == "local" else cfg.num_workers
 
 
 def init_ray(cfg: RayConfig) -> None:

@@ -11,13 +11,13 @@ import numpy as np
 import torch
 
 from pipeline import storage
+from pipeline.cluster import world_size
 from pipeline.config import Params
 from pipeline.data import make_eval_loader, read_dataset_info
 from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
 from pipeline.model import ViTConfig, VisionTransformer, attention_maps, load_model
 from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.tracking import stage_run
-from pipeline.train.driver import world_size
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text
 
 

@@ -8,17 +8,18 @@ import sys
 import pytest
 import torch
 
+from pipeline.config import TrainConfig
 from pipeline.model import build_vit
 from pipeline.train.loop_config import LoopConfig
 from pipeline.train.worker import Stepper
 from tests.conftest import ROOT
 
 
-def _cfg(**kw) -> LoopConfig:
-    base = dict(stage="pretrain", model={}, shard_dir="unused", image_size=16, epochs=1, steps_per_epoch=4,
-                per_worker_batch=8, lr=1e-3, min_lr=1e-5, weight_decay=0.05, warmup_steps=0,
-                label_smoothing=0.1, seed=0, eval_every=1, grad_clip=1.0)
-    return LoopConfig(**{**base, **kw})
+def _cfg(model: dict, **kw) -> LoopConfig:
+    train = TrainConfig(**{**dict(image_size=16, epochs=1, lr=1e-3, min_lr=1e-5, weight_decay=0.05,
+                                  label_smoothing=0.1, seed=0, eval_every=1, grad_clip=1.0), **kw})
+    return LoopConfig.from_train(train, stage="pretrain", model=model, shard_dir="unused", steps_per_epoch=4,
+                                 per_worker_batch=8, warmup_steps=0, loader_workers=0, verbose=False)
 
 
 def _model():
@@ -33,7 +34,7 @@ def test_compiled_step_matches_eager():
     results = []
     for compiled in (False, True):
         m = copy.deepcopy(model)
-        cfg = _cfg(model=m.config.to_dict(), compile=compiled)
+        cfg = _cfg(m.config.to_dict(), compile=compiled)
         stepper = Stepper(m, cfg, torch.device("cpu"))
         losses = [stepper(x, y)[0].item() / 8 for _ in range(2)]
         results.append((losses, m.state_dict()))
@@ -50,7 +51,7 @@ def test_accumulated_step_equals_one_big_step():
     states, outs = [], []
     for max_batch in (None, 4):
         m = _model()
-        stepper = Stepper(m, _cfg(model=m.config.to_dict(), max_worker_batch=max_batch, grad_clip=None),
+        stepper = Stepper(m, _cfg(m.config.to_dict(), max_worker_batch=max_batch, grad_clip=None),
                           torch.device("cpu"))
         outs.append(stepper(x, y))
         states.append({n: p.grad for n, p in m.named_parameters()})

@@ -12,14 +12,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline import storage
+from pipeline.cluster import world_size
 from pipeline.config import Params, RayConfig, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.model import VisionTransformer
@@ -75,27 +74,16 @@ def plan_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTra
     world = world_size(params.ray)
     steps = max(1, info["counts"]["train"] // cfg.global_batch_size)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    loop = LoopConfig(
-        stage=stage, model=model.config.to_dict(), shard_dir=storage.worker_path(shard_dir),
-        image_size=cfg.image_size, epochs=cfg.epochs, steps_per_epoch=steps,
-        per_worker_batch=worker_batch(cfg.global_batch_size, world), max_worker_batch=cfg.max_worker_batch,
-        lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay,
-        warmup_steps=int(round(cfg.warmup_epochs * steps)), label_smoothing=cfg.label_smoothing,
-        grad_clip=cfg.grad_clip, seed=cfg.seed, eval_every=cfg.eval_every, augment=dict(cfg.augment),
-        mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, ema_decay=cfg.ema_decay,
-        ema_warmup=cfg.ema_warmup, keep=cfg.keep, early_stop_patience=cfg.early_stop_patience, amp=cfg.amp,
-        compile=cfg.compile, checkpoint_every_steps=cfg.checkpoint_every_steps,
-        log_every_steps=cfg.log_every_steps, loader_workers=loader_workers(params.ray), verbose=params.ray.verbose)
+    loop = LoopConfig.from_train(
+        cfg, stage=stage, model=model.config.to_dict(), shard_dir=storage.worker_path(shard_dir),
+        steps_per_epoch=steps, per_worker_batch=worker_batch(cfg.global_batch_size, world),
+        warmup_steps=int(round(cfg.warmup_epochs * steps)), loader_workers=loader_workers(params.ray),
+        verbose=params.ray.verbose)
     # the backend is not part of the identity: a local run and a 1-worker Ray run continue each other
     identity = {**loop.identity(), "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
                 "init": _state_digest(state)}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     return TrainPlan(stage=stage, run_name=f"{stage}-{digest[:12]}", loop=loop, init_state=state)
-
-
-def world_size(ray_cfg: RayConfig) -> int:
-    """Ranks of a training run: ``ray.num_workers``, or 1 in-process with ``ray.backend: local``."""
-    return 1 if ray_cfg.backend == "local" else ray_cfg.num_workers
 
 
 def _fault_from_env() -> dict | None:
@@ -125,10 +113,9 @@ def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: st
         if run_dir is None:
             raise ValueError(f"ray.backend: local writes checkpoints to a local ray.storage_path, "
                              f"got {params.ray.storage_path!r}")
-        checkpoint = _fit_local(plan, run, params, run_dir)
+        final, checkpoint = _fit_local(plan, run, params, run_dir)
     else:
-        checkpoint = _fit_ray(plan, run, params, storage_path, storage_fs)
-    final = load_state(checkpoint)
+        final, checkpoint = _fit_ray(plan, run, params, storage_path, storage_fs)
     selection = Selection()
     selection.load_state_dict(final["selection"])
     model.load_state_dict(selection.weights)  # the raw or EMA weights that keep: last|best chose
@@ -137,7 +124,8 @@ def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: st
                        checkpoint_path=str(checkpoint), selection=selection)
 
 
-def _fit_local(plan: TrainPlan, run: LoopRun, params: Params, run_dir: str) -> str:
+def _fit_local(plan: TrainPlan, run: LoopRun, params: Params, run_dir: str) -> tuple[dict, str]:
+    """The final checkpoint's state and where it is."""
     from pipeline.train.context import LocalContext
     from pipeline.train.worker import run_loop
 
@@ -147,10 +135,11 @@ def _fit_local(plan: TrainPlan, run: LoopRun, params: Params, run_dir: str) -> s
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         raise RuntimeError(f"[{plan.stage}] run {plan.run_name} finished without a checkpoint in {run_dir}")
-    return checkpoint
+    return load_state(checkpoint), checkpoint
 
 
-def _fit_ray(plan: TrainPlan, run: LoopRun, params: Params, storage_path: str, storage_fs) -> str:
+def _fit_ray(plan: TrainPlan, run: LoopRun, params: Params, storage_path: str, storage_fs) -> tuple[dict, str]:
+    """The final checkpoint's state and where it is."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -173,12 +162,8 @@ def _fit_ray(plan: TrainPlan, run: LoopRun, params: Params, storage_path: str, s
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"[{plan.stage}] Ray run {plan.run_name} finished without a checkpoint")
-    with result.checkpoint.as_directory() as d:  # a local copy when the storage is remote
-        if storage_fs is None and not storage.is_url(storage_path):
-            return d
-        local = tempfile.mkdtemp(prefix="vit-final-")
-        shutil.copytree(d, local, dirs_exist_ok=True)
-        return local
+    with result.checkpoint.as_directory() as d:  # a temporary local copy when the storage is remote
+        return load_state(d), str(result.checkpoint.path)
 
 
 def _resources(params: Params) -> dict[str, float]:

@@ -3,7 +3,7 @@ inputs of one launch (weights, MLflow run, where to resume), kept apart so the n
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 # Fields that do not change what is computed: a run launched again with other values continues.
@@ -12,36 +12,46 @@ NOT_IDENTITY = ("verbose", "loader_workers")
 
 @dataclass(frozen=True)
 class LoopConfig:
+    """A training stage's recipe (``TrainConfig``, whose fields of the same name fill these: see
+    :meth:`from_train`) plus what the driver derives for the ranks. No defaults here: they live in
+    ``TrainConfig`` alone."""
+
     stage: str
     model: dict[str, Any]            # ViTConfig.to_dict()
     shard_dir: str                   # absolute path or URL every rank can open
-    image_size: int
-    epochs: int
     steps_per_epoch: int
     per_worker_batch: int
+    warmup_steps: int
+    loader_workers: int
+    verbose: bool
+    image_size: int
+    epochs: int
     lr: float
     min_lr: float
     weight_decay: float
-    warmup_steps: int
     label_smoothing: float
     seed: int
     eval_every: int
-    augment: dict[str, Any] = field(default_factory=dict)
-    max_worker_batch: Optional[int] = None
-    layer_decay: Optional[float] = None
-    grad_clip: Optional[float] = None
-    mixup_alpha: float = 0.0
-    cutmix_alpha: float = 0.0
-    ema_decay: Optional[float] = None
-    ema_warmup: bool = True
-    keep: str = "last"
-    early_stop_patience: Optional[int] = None
-    amp: str = "auto"
-    compile: bool = False
-    checkpoint_every_steps: Optional[int] = None
-    log_every_steps: int = 10
-    loader_workers: int = 0
-    verbose: bool = False
+    augment: dict[str, Any]
+    max_worker_batch: Optional[int]
+    layer_decay: Optional[float]
+    grad_clip: Optional[float]
+    mixup_alpha: float
+    cutmix_alpha: float
+    ema_decay: Optional[float]
+    ema_warmup: bool
+    keep: str
+    early_stop_patience: Optional[int]
+    amp: str
+    compile: bool
+    checkpoint_every_steps: Optional[int]
+    log_every_steps: int
+
+    @classmethod
+    def from_train(cls, train: Any, **derived: Any) -> "LoopConfig":
+        """The recipe fields from ``train`` (a ``TrainConfig``), the others from ``derived``."""
+        shared = {f.name: getattr(train, f.name) for f in dataclasses.fields(cls) if hasattr(train, f.name)}
+        return cls(**{**shared, "augment": dict(train.augment), **derived})
 
     def identity(self) -> dict[str, Any]:
         """The fields that define the computation (see :data:`NOT_IDENTITY`)."""

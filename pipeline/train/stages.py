@@ -15,7 +15,8 @@ from pipeline.model import VisionTransformer, build_vit, convert_state_dict, loa
 from pipeline.plots import plot_history
 from pipeline import storage
 from pipeline.tracking import stage_run
-from pipeline.train.driver import fit, plan_training, world_size, write_history
+from pipeline.cluster import world_size
+from pipeline.train.driver import fit, plan_training, write_history
 from pipeline.train.selection import summary as selection_summary
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
 
@@ -39,9 +40,9 @@ def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionT
         final = result.history[-1]
         summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema", "step",
                                          "images_seen") if k in final}
-        summary.update(selection_summary(result.selection))
-        mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float)) and k.startswith(
-            ("kept_", "stopped_", "epoch_to_", "time_to_", "images_to_", "wall_"))})
+        selected = selection_summary(result.selection)
+        summary.update(selected)
+        mlflow.log_metrics({k: v for k, v in selected.items() if isinstance(v, (int, float))})
         mlflow.set_tags({"kept_weights": result.selection.kept["source"], "kept_reason": result.selection.kept["reason"]})
         out_dir = MODELS / stage
         aug = resolve_augment(cfg.augment)
