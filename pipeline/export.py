@@ -15,7 +15,7 @@ from pipeline.config import Params
 from pipeline.data import make_eval_loader
 from pipeline.model import VisionTransformer, load_model, save_model
 from pipeline.tracking import stage_run
-from pipeline.utils import EXPORTS, METRICS, MODELS, atomic_write_json
+from pipeline.utils import EXPORTS, METRICS, MODELS, apply_umask, atomic_write_json
 
 
 def sample_images(shard_dir, n: int, image_size: int, normalize: dict) -> torch.Tensor:
@@ -79,6 +79,7 @@ def export(params: Params) -> dict:
     results: dict[str, dict] = {}
     tmp = Path(tempfile.mkdtemp(prefix=".exports.", dir="."))
     try:
+        apply_umask(tmp)
         extra = {k: v for k, v in meta.items() if k != "model"}
         with stage_run("export", params, extra_params={"model_size": params.model.preset,
                                                        "image_size": meta["image_size"]}):

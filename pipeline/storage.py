@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from pipeline.utils import SHARDS
+from pipeline.utils import SHARDS, apply_umask
 
 SHARDS_URL_ENV = "VIT_SHARDS_URL"
 MARKERS = ("dataset.json", "config.json")  # written last: their presence marks a complete directory
@@ -168,7 +168,7 @@ def download_dir(url: str, local: str | os.PathLike, *, missing_ok: bool = False
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(obj, str(target))
-        os.chmod(tmp, 0o755)
+        apply_umask(tmp)
         if local.exists():
             shutil.rmtree(local)
         tmp.rename(local)

@@ -1,4 +1,4 @@
-"""Small helpers shared by the stages: atomic writes and output locations."""
+"""Small helpers shared by the stages: atomic writes, output modes and output locations."""
 from __future__ import annotations
 
 import json
@@ -14,12 +14,34 @@ PLOTS = Path("plots")
 EXPORTS = Path("exports")
 
 
+def current_umask() -> int:
+    """The process umask. Read from /proc where it can be: setting it to read it back would, for an
+    instant, give files that other threads create a different mode."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # no /proc: the strictest mask while it is swapped out
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | os.PathLike) -> None:
+    """Give a ``mkstemp``/``mkdtemp`` path (always 0600/0700) the mode ``open``/``mkdir`` would have,
+    so an output renamed into place is as readable by group and others as the user's umask says."""
+    full = 0o777 if os.path.isdir(path) else 0o666
+    os.chmod(path, full & ~current_umask())
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write next to the target, then rename: readers never see a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        apply_umask(tmp)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -22,6 +22,8 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from PIL import Image
 
+from pipeline.utils import apply_umask
+
 from .sources import SOURCES, build_plan
 from .splits import SPLITS, Record, check_fractions
 
@@ -239,7 +241,7 @@ def shard_dataset(out_dir, *, source: str = "digits", root=None, seed: int = 0,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        os.chmod(tmp, 0o755)
+        apply_umask(tmp)
         plan = build_plan(source, root=root, seed=seed, val_fraction=val_fraction,
                           test_fraction=test_fraction, class_names=class_names, num_classes=num_classes,
                           samples_per_class=samples_per_class, image_size=image_size)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.utils import apply_umask
+
 from .config import ViTConfig
 from .vit import VisionTransformer
 
@@ -29,6 +31,7 @@ def _atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        apply_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
