@@ -2,8 +2,14 @@
 
     python -m pipeline.predict path/to/img.png some/dir [--model exports] [--format onnx|torchscript|safetensors]
 
-Prints ``path<TAB>class<TAB>probability`` per image. A missing or non-image file gets an
-``error:`` line on stderr and the others still run; the exit code is 1 if any file failed.
+Prints ``path<TAB>class<TAB>probability`` per image. A missing or non-image file, or a directory
+with no image files, gets an ``error:`` line on stderr and the others still run.
+
+Exit codes:
+  0  every input was classified
+  1  some input failed (missing, not a readable image, a directory without image files)
+  2  nothing was classified: a bad argument (e.g. ``--batch-size 0``) or an export that cannot be
+     loaded (a missing or corrupt ``config.json`` or model file; the message names it)
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -19,41 +26,86 @@ from PIL import Image, UnidentifiedImageError
 from pipeline.data.transforms import eval_transform
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"}
+MODEL_FILES = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "safetensors": "model.safetensors"}
+CONFIG_KEYS = ("classes", "image_size", "normalize")  # what predict reads from the export's config.json
+REEXPORT = "re-run the export stage (`dvc repro export`) or point --model at an export directory"
 
 
-def expand(paths: list[str]) -> list[Path]:
-    """Files as given; directories expanded (recursively) to their image files, sorted."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
-        else:
-            out.append(p)
-    return out
+class ModelError(Exception):
+    """The export cannot be used; the message names the file, what is wrong and what to do."""
+
+
+def image_files(path: Path) -> list[Path]:
+    """A file as given; a directory expanded (recursively) to its image files, sorted."""
+    if path.is_dir():
+        return sorted(f for f in path.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+    return [path]
+
+
+def _reason(exc: BaseException) -> str:
+    """The exception's class and the first line of its message (loaders' messages run long)."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0][:200] if lines else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def load_file(path: Path, loader: Callable[[Path], Any]) -> Any:
+    """``loader(path)``; a missing, unreadable or corrupt file becomes a :class:`ModelError` naming it."""
+    if not path.is_file():
+        raise ModelError(f"{path}: not found; {REEXPORT}")
+    try:
+        return loader(path)
+    except Exception as exc:  # every loader has its own error types for a damaged file
+        raise ModelError(f"{path}: cannot be loaded, the file is corrupt or incomplete ({_reason(exc)}); "
+                         f"{REEXPORT}") from None
+
+
+def read_config(path: Path) -> dict:
+    """The export's config.json, checked for the entries predict needs."""
+    meta = load_file(path, lambda p: json.loads(p.read_text()))
+    missing = [k for k in CONFIG_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ModelError(f"{path}: has no {', '.join(map(repr, missing))} entry; not an export's "
+                         f"config.json; {REEXPORT}")
+    return meta
+
+
+def _onnx_runner(path: Path):
+    import onnxruntime as ort
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return lambda x: sess.run(None, {"images": x.numpy()})[0]
+
+
+def _torchscript_runner(path: Path):
+    from pipeline.export import load_torchscript
+    module = load_torchscript(path)
+    return lambda x: module(x).detach().numpy()
+
+
+def _safetensors_runner(path: Path):
+    from pipeline.model import load_model
+    model = load_model(path.parent)[0].eval()
+    return lambda x: model(x).detach().numpy()
+
+
+RUNNERS = {"onnx": _onnx_runner, "torchscript": _torchscript_runner, "safetensors": _safetensors_runner}
 
 
 class Predictor:
     """Loads one exported format and the preprocessing recorded in its config.json."""
 
     def __init__(self, model_dir: str | Path = "exports", fmt: str = "onnx"):
+        if fmt not in RUNNERS:
+            raise ValueError(f"--format {fmt!r}: choose one of {', '.join(RUNNERS)}")
         model_dir = Path(model_dir)
-        meta = json.loads((model_dir / "config.json").read_text())
+        meta = read_config(model_dir / "config.json")
         self.classes = meta["classes"]
-        self.transform = eval_transform(meta["image_size"], meta["normalize"])
-        if fmt == "onnx":
-            import onnxruntime as ort
-            sess = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
-            self._run = lambda x: sess.run(None, {"images": x.numpy()})[0]
-        elif fmt == "torchscript":
-            from pipeline.export import load_torchscript
-            module = load_torchscript(model_dir / "model.torchscript.pt")
-            self._run = lambda x: module(x).detach().numpy()
-        elif fmt == "safetensors":
-            from pipeline.model import load_model
-            model = load_model(model_dir)[0].eval()
-            self._run = lambda x: model(x).detach().numpy()
-        else:
-            raise ValueError(f"--format {fmt!r}: choose onnx, torchscript or safetensors")
+        try:
+            self.transform = eval_transform(meta["image_size"], meta["normalize"])
+        except (TypeError, ValueError) as exc:
+            raise ModelError(f"{model_dir / 'config.json'}: bad image_size or normalize ({_reason(exc)}); "
+                             f"{REEXPORT}") from None
+        self._run = load_file(model_dir / MODEL_FILES[fmt], RUNNERS[fmt])
 
     def preprocess(self, path: Path) -> torch.Tensor:
         with Image.open(path) as img:
@@ -67,20 +119,49 @@ class Predictor:
         return idx.numpy(), conf.numpy()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.predict", description=__doc__.split("\n\n")[0])
+def positive_int(text: str) -> int:
+    """argparse type for sizes: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid: must be an integer >= 1")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.predict", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__[__doc__.index("Exit codes:"):],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="image files or directories")
     ap.add_argument("--model", default="exports", help="export directory (default: exports)")
-    ap.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "safetensors"])
-    ap.add_argument("--batch-size", type=int, default=64)
-    args = ap.parse_args(argv)
+    ap.add_argument("--format", default="onnx", choices=list(RUNNERS))
+    ap.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass (default: 64)")
+    return ap.parse_args(argv)
+
+
+def gather(paths: list[str]) -> tuple[list[Path], int]:
+    """Image files of every input, and how many inputs were directories without any (each reported)."""
+    files, empty = [], 0
+    for path in map(Path, paths):
+        found = image_files(path)
+        if not found:
+            print(f"error: {path}: no image files in this directory (looked for "
+                  f"{', '.join(sorted(IMAGE_SUFFIXES))})", file=sys.stderr)
+            empty += 1
+        files += found
+    return files, empty
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         predictor = Predictor(args.model, args.format)
-    except (FileNotFoundError, KeyError, ValueError) as exc:
-        print(f"error: cannot load the exported model from {args.model}: {exc}", file=sys.stderr)
+    except ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    failed = 0
-    files = expand(args.paths)
+    files, failed = gather(args.paths)
     for start in range(0, len(files), args.batch_size):
         good, tensors = [], []
         for path in files[start:start + args.batch_size]:
@@ -98,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             for path, i, c in zip(good, idx, conf):
                 print(f"{path}\t{predictor.classes[i]}\t{c:.4f}", flush=True)
     if failed:
-        print(f"{failed} of {len(files)} file(s) failed", file=sys.stderr)
+        print(f"{failed} input(s) failed; {len(files)} image file(s) found", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -1,0 +1,116 @@
+"""`python -m pipeline.predict` on bad exports and bad inputs: one clear line and a documented exit code."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipeline import predict
+from pipeline.model import build_vit, save_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = ["ant", "bee", "cow"]
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    """A tiny export as the export stage writes it (config.json, safetensors, TorchScript; no ONNX:
+    its exporter alone takes seconds, and the corrupt-file cases need none)."""
+    from pipeline.export import export_torchscript
+
+    out = tmp_path_factory.mktemp("exports")
+    torch.manual_seed(0)
+    model = build_vit("nano", patch_size=4, image_size=8, num_classes=3, depth=1, embed_dim=16, num_heads=2).eval()
+    save_model(model, out, extra={"classes": CLASSES, "image_size": 8,
+                                  "normalize": {"mean": [0.5] * 3, "std": [0.25] * 3}})
+    export_torchscript(model, torch.randn(2, 3, 8, 8), out / "model.torchscript.pt")
+    return out
+
+
+@pytest.fixture
+def images(tmp_path) -> Path:
+    d = tmp_path / "imgs"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(d / f"{i}.png")
+    return d
+
+
+def _damaged_copy(export_dir: Path, dst: Path, name: str, data: bytes | None) -> Path:
+    """The export with ``name`` overwritten by ``data`` (None: removed)."""
+    shutil.copytree(export_dir, dst)
+    if data is None:
+        (dst / name).unlink(missing_ok=True)
+    else:
+        (dst / name).write_bytes(data)
+    return dst
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "safetensors"])
+def test_classifies_each_image(export_dir, images, capsys, fmt):
+    assert predict.main([str(images), "--model", str(export_dir), "--format", fmt, "--batch-size", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split("\t")[0] for line in lines] == [str(images / f"{i}.png") for i in range(3)]
+    assert all(line.split("\t")[1] in CLASSES for line in lines)
+
+
+@pytest.mark.parametrize("fmt, name, data, needle", [
+    ("onnx", "model.onnx", b"\x08\x07garbage, not a protobuf", "corrupt or incomplete"),
+    ("torchscript", "model.torchscript.pt", b"PK\x03\x04truncated zip", "corrupt or incomplete"),
+    ("safetensors", "model.safetensors", b"\xff" * 16, "corrupt or incomplete"),
+    ("onnx", "model.onnx", None, "not found"),
+    ("torchscript", "config.json", b'{"classes": ["a"], "image_si', "corrupt or incomplete"),
+    ("torchscript", "config.json", b'{"classes": ["a"]}', "has no 'image_size', 'normalize' entry"),
+    ("safetensors", "config.json", None, "not found"),
+])
+def test_unusable_export_names_the_file(export_dir, images, tmp_path, capsys, fmt, name, data, needle):
+    model = _damaged_copy(export_dir, tmp_path / "exports", name, data)
+    assert predict.main([str(images), "--model", str(model), "--format", fmt]) == 2
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err)
+    assert line.startswith(f"error: {model / name}: ") and needle in line and "re-run the export stage" in line, line
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "two"])
+def test_batch_size_must_be_positive(export_dir, images, capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        predict.main([str(images), "--model", str(export_dir), "--batch-size", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --batch-size: {value!r} is not valid: must be an integer >= 1" in err, err
+
+
+def test_directories_without_images_fail(export_dir, images, tmp_path, capsys):
+    empty, notes = tmp_path / "empty", tmp_path / "notes"
+    empty.mkdir()
+    notes.mkdir()
+    (notes / "readme.txt").write_text("no images here")
+    assert predict.main([str(empty), "--model", str(export_dir), "--format", "torchscript"]) == 1
+    assert f"error: {empty}: no image files in this directory" in capsys.readouterr().err
+    rc = predict.main([str(notes), str(images / "0.png"), "--model", str(export_dir), "--format", "torchscript"])
+    captured = capsys.readouterr()
+    assert rc == 1 and len(captured.out.splitlines()) == 1
+    assert f"error: {notes}: no image files in this directory" in captured.err
+
+
+def test_cli_corrupt_onnx(export_dir, images, tmp_path):
+    """The real command line: one error line naming the file, no traceback, exit 2."""
+    model = _damaged_copy(export_dir, tmp_path / "exports", "model.onnx", b"not an onnx model")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.predict", str(images), "--model", str(model)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"error: {model / 'model.onnx'}: cannot be loaded" in _one_error_line(proc.stderr)
