@@ -338,11 +338,15 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None 
     """Read, type-check and validate ``params.yaml``; raise :class:`ConfigError` on any problem."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found (run from the repository root)") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if raw is None:  # an empty file would otherwise run every stage on defaults without a word
+        sections = ", ".join(f.name for f in dataclasses.fields(Params))
+        raise ConfigError(f"{path}: is empty (or only comments); expected the sections {sections} "
+                          f"(start from the repository's params.yaml)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     for dotted, value in (overrides or {}).items():

@@ -74,6 +74,22 @@ def test_stage_exits_nonzero_with_message_before_any_work(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("text", ["", "# all commented out\n# pretrain:\n#   lr: 0.1\n"])
+def test_empty_params_file_is_an_error(tmp_path, text):
+    (tmp_path / "params.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=r"params.yaml: is empty \(or only comments\); expected the sections data, "):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_stage_with_empty_params_exits_2(tmp_path):
+    (tmp_path / "params.yaml").write_text("\n")
+    proc = subprocess.run([sys.executable, "-m", "stages.shard", "pretrain"], cwd=tmp_path, capture_output=True,
+                          text=True, env={"VIT_PARAMS": str(tmp_path / "params.yaml"), "PYTHONPATH": str(ROOT),
+                                          "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {tmp_path / 'params.yaml'}: is empty")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()
+
+
 def test_worker_batch_and_schedule():
     assert worker_batch(64, 2) == 32 and worker_batch(64, 1) == 64
     with pytest.raises(ValueError):
