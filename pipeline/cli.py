@@ -1,4 +1,8 @@
-"""Entry-point wrapper for the stages: load params, run, turn known errors into exit code 2."""
+"""Entry-point wrapper for the stages: load params, run, turn known errors into one line and an exit code.
+
+Exit codes: 2 a params problem (ConfigError); 1 a missing input, a bad value or an OS error such as
+a full disk (FileNotFoundError, ValueError, OSError).
+"""
 from __future__ import annotations
 
 import logging
@@ -21,4 +25,8 @@ def run_stage(fn: Callable[..., object], *args: str) -> None:
         sys.exit(2)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as exc:  # a full disk, a read-only directory: one line naming the path, not a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         sys.exit(1)

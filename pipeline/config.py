@@ -260,7 +260,8 @@ def _divisible(size_key: str, size: int, patch_key: str, patch: int) -> None:
 
 def validate(p: Params) -> Params:
     """Cross-field checks that a type check alone cannot catch."""
-    from pipeline.data.transforms import resolve_augment  # local imports: config stays importable without torch
+    from pipeline.data.splits import check_fraction  # local imports: config stays importable without torch
+    from pipeline.data.transforms import resolve_augment
     from pipeline.model import PRESETS
     from pipeline.train.selection import KEEP_CHOICES
 
@@ -270,9 +271,10 @@ def validate(p: Params) -> Params:
         if d.source in ("imagefolder", "parquet", "cifar") and not d.root:
             raise ConfigError(f"data.{name}.root: required for source {d.source!r} (a path to the dataset)")
         for k in ("val_fraction", "test_fraction", "max_bad_fraction"):
-            v = getattr(d, k)
-            if not 0.0 <= v < 1.0:
-                raise ConfigError(f"data.{name}.{k}: {v!r} must be in [0, 1)")
+            try:
+                check_fraction(f"data.{name}.{k}", getattr(d, k))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         for k in ("maxcount", "maxsize", "num_classes", "samples_per_class", "image_size"):
             _positive(f"data.{name}.{k}", getattr(d, k))
     _choice("model.preset", p.model.preset, tuple(PRESETS))

@@ -5,6 +5,7 @@ import sys
 from pipeline.cli import run_stage
 from pipeline.config import ConfigError, Params
 from pipeline.data import shard_dataset
+from pipeline.data.shard import shard_warnings
 from pipeline.utils import SHARDS
 
 
@@ -14,6 +15,8 @@ def main(params: Params, name: str = "") -> None:
     spec = getattr(params.data, name)
     info = shard_dataset(SHARDS / name, **dataclasses.asdict(spec))
     print(f"[shard:{name}] {spec.source}: {info['counts']} -> {SHARDS / name}/", flush=True)
+    for note in shard_warnings(info, SHARDS / name):
+        print(f"[shard:{name}] warning: {note}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

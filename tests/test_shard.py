@@ -1,7 +1,10 @@
 """Shard stage: every source into real WebDataset tars + manifest, read back; errors; atomic writes."""
 from __future__ import annotations
 
+import errno
 import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -10,7 +13,8 @@ import pytest
 
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 from pipeline.data import shard as shard_mod
-from tests.data_helpers import CIFAR_TGZ, img_bytes, make_fake_cifar, make_hf_parquet, make_imagefolder, tar_keys
+from tests.data_helpers import (CIFAR_TGZ, REPO, img_bytes, make_fake_cifar, make_hf_parquet, make_imagefolder,
+                                tar_keys)
 
 
 def test_digits_counts_and_each_sample_once(digits_dir):
@@ -108,6 +112,7 @@ def test_refuses_to_replace_foreign_dir(tmp_path):
     (dict(source="nope"), "valid"),
     (dict(val_fraction=0.6, test_fraction=0.5), "< 1"),
     (dict(maxcount=0), "maxcount"),
+    (dict(max_bad_fraction=1.0), r"max_bad_fraction: 1.0 must be in \[0, 1\)"),  # the params check's range
 ])
 def test_bad_params(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -177,6 +182,77 @@ def test_corrupt_files_skipped_and_reported(tmp_path):
     bad = json.loads((tmp_path / "ok" / "bad_files.json").read_text())
     assert sorted(b["path"] for b in bad) == ["cat/truncated.jpg", "dog/garbage.png"]
     assert info["bad_files"] == bad and sum(info["counts"].values()) == 18
+
+
+def _with_bad_images(root: Path) -> Path:
+    good = (root / "cat" / "000.jpg").read_bytes()
+    (root / "cat" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (root / "dog" / "garbage.png").write_bytes(b"definitely not a png")
+    return root
+
+
+def test_bad_file_report_is_byte_identical_between_runs(tmp_path):
+    """PIL names the stream it was given (``<_io.BytesIO object at 0x…>``): the report names the file."""
+    root = _with_bad_images(make_imagefolder(tmp_path / "src", per_class=6))
+    for out in ("a", "b"):
+        shard_dataset(tmp_path / out, source="imagefolder", root=root, max_bad_fraction=0.1)
+    for name in ("bad_files.json", "dataset.json"):
+        text = (tmp_path / "a" / name).read_text()
+        assert "object at 0x" not in text and text == (tmp_path / "b" / name).read_text()
+    bad = json.loads((tmp_path / "a" / "bad_files.json").read_text())
+    assert [b["path"] for b in bad] == ["cat/truncated.jpg", "dog/garbage.png"]  # sorted by path
+    assert bad[1]["error"] == "UnidentifiedImageError: cannot identify image file 'dog/garbage.png'"
+
+
+def test_stage_warns_about_skips_empty_test_and_unlearnable_class(tmp_path):
+    """`python -m stages.shard`: skipped images counted per split, no test split, a class only in val."""
+    root = make_imagefolder(tmp_path / "src", classes=("cat", "dog"), per_class=6, splits=["train", "val"])
+    make_imagefolder(root / "val", classes=("eel",), per_class=2)
+    _with_bad_images(root / "train")
+    (tmp_path / "params.yaml").write_text(
+        f"data:\n  pretrain:\n    source: imagefolder\n    root: {root}\n    max_bad_fraction: 0.2\n")
+    proc = subprocess.run([sys.executable, "-m", "stages.shard", "pretrain"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={"VIT_PARAMS": "params.yaml", "PYTHONPATH": str(REPO),
+                                                       "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("[shard:pretrain] warning: ")]
+    assert [w.split(": ", 1)[1] for w in warnings] == [
+        "skipped 2 undecodable image(s) (train 2, val 0, test 0); the list is in data/shards/pretrain/bad_files.json",
+        "the test split is empty (the source has no test split; test_fraction applies only to sources without "
+        "splits of their own): the evaluate and export stages have no test images",
+        "class 'eel' has no train images (val 2, test 0): the model cannot learn it",
+    ], proc.stderr
+
+
+def test_full_disk_is_one_line_and_keeps_the_previous_output(tmp_path, monkeypatch, capsys):
+    """ENOSPC mid-way (injected: CI cannot fill a disk): one error line, exit 1, the temp dir removed."""
+    from pipeline.cli import run_stage
+    from stages.shard import main as shard_stage
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VIT_PARAMS", "params.yaml")
+    Path("params.yaml").write_text("data:\n  pretrain:\n    source: digits\n    maxcount: 100\n")
+    run_stage(shard_stage, "pretrain")
+    before = {p.name: p.read_bytes() for p in Path("data/shards/pretrain").iterdir()}
+    Path("params.yaml").write_text("data:\n  pretrain:\n    source: digits\n    maxcount: 300\n")
+    real, calls = shard_mod._SplitWriter.write, {"n": 0}
+
+    def write(self, *args):
+        calls["n"] += 1
+        if calls["n"] > 500:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args)
+
+    monkeypatch.setattr(shard_mod._SplitWriter, "write", write)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        run_stage(shard_stage, "pretrain")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: no space left on the device of data/shards while writing the shards "
+                          "(No space left on device); the partial output was removed"), err
+    assert [p.name for p in Path("data/shards").iterdir()] == ["pretrain"]
+    assert {p.name: p.read_bytes() for p in Path("data/shards/pretrain").iterdir()} == before
 
 
 def test_imagefolder_errors(tmp_path):

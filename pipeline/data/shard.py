@@ -5,10 +5,12 @@ params. Everything is written into a temp dir beside ``out_dir`` and renamed int
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -25,7 +27,7 @@ from PIL import Image
 from pipeline.utils import apply_umask
 
 from .sources import SOURCES, build_plan
-from .splits import SPLITS, Record, check_fractions
+from .splits import SPLITS, Record, check_fraction, check_fractions
 
 FORMAT_VERSION = 1
 KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}  # kept byte-for-byte; anything else becomes PNG
@@ -36,6 +38,15 @@ TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
 
 class BadImage(Exception):
     """An input image that cannot be decoded; skipped and reported, not fatal by itself."""
+
+
+_OBJECT_REPR = re.compile(r"<[^<>]*? at 0x[0-9a-fA-F]+>")
+
+
+def bad_image_reason(exc: BaseException, source_path: str) -> str:
+    """``Class: message``, with object reprs (PIL names ``<_io.BytesIO object at 0x…>``, a new address
+    every run) replaced by the image's path: bad_files.json must be byte-identical between identical runs."""
+    return f"{type(exc).__name__}: {_OBJECT_REPR.sub(repr(source_path), str(exc))}"
 
 
 def _encode(img: Image.Image, fmt: str) -> bytes:
@@ -85,7 +96,7 @@ def prepare(rec: Record, max_side: Optional[int], stats: bool = False):
             fmt = img.format
             img.load()
         except Exception as exn:  # PIL raises many types for corrupt/truncated data
-            raise BadImage(f"{type(exn).__name__}: {exn}") from exn
+            raise BadImage(bad_image_reason(exn, rec.source_path)) from exn
         raw = data
     if max_side and max(img.size) > max_side:
         img = img.copy()
@@ -192,8 +203,40 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
         raise ValueError(f"class(es) {empty} ended up with no decodable images")
     if not shards["train"]:
         raise ValueError("the train split is empty; check the source and the split fractions")
-    return {"shards": shards, "class_counts": class_counts, "bad_files": bad,
-            "pixel_stats": stats_from_histogram(hist)}
+    return {"shards": shards, "class_counts": class_counts, "pixel_stats": stats_from_histogram(hist),
+            "bad_files": sorted(bad, key=lambda b: (b["path"], b["split"]))}
+
+
+EMPTY_SPLIT_EFFECT = {"val": "training's val_loss / val_top1 (and keep: best) have nothing to measure",
+                      "test": "the evaluate and export stages have no test images"}
+
+
+def _why_empty(info: dict, split: str) -> str:
+    if split == "test" and info["given_splits"] and "test" not in info["given_splits"]:
+        return "the source has no test split; test_fraction applies only to sources without splits of their own"
+    return f"{split}_fraction is {info['params'][f'{split}_fraction']}"
+
+
+def shard_warnings(info: dict, out_dir) -> list[str]:
+    """What a finished shard run holds that a user would otherwise miss: skipped images, empty splits,
+    classes without train images (the model cannot learn them)."""
+    notes = []
+    bad = info["bad_files"]
+    if bad:
+        per_split = ", ".join(f"{s} {sum(b['split'] == s for b in bad)}" for s in SPLITS)
+        notes.append(f"skipped {len(bad)} undecodable image(s) ({per_split}); the list is in "
+                     f"{Path(out_dir) / 'bad_files.json'}")
+    for split, effect in EMPTY_SPLIT_EFFECT.items():
+        if info["counts"][split] == 0:
+            notes.append(f"the {split} split is empty ({_why_empty(info, split)}): {effect}")
+    for i, name in enumerate(info["classes"]):
+        if info["class_counts"]["train"][i] == 0:
+            elsewhere = ", ".join(f"{s} {info['class_counts'][s][i]}" for s in SPLITS if s != "train")
+            notes.append(f"class {name!r} has no train images ({elsewhere}): the model cannot learn it")
+    return notes
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _check_replaceable(out: Path) -> None:
@@ -232,8 +275,7 @@ def shard_dataset(out_dir, *, source: str = "digits", root=None, seed: int = 0,
     check_fractions(val_fraction, test_fraction)
     if maxcount < 1 or maxsize < 1:
         raise ValueError(f"maxcount ({maxcount}) and maxsize ({maxsize}) must be >= 1")
-    if not 0.0 <= max_bad_fraction <= 1.0:
-        raise ValueError(f"max_bad_fraction={max_bad_fraction!r}: must be in [0, 1]")
+    check_fraction("max_bad_fraction", max_bad_fraction)
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side={max_side!r}: must be null or >= 1")
     out = Path(out_dir)
@@ -265,6 +307,13 @@ def shard_dataset(out_dir, *, source: str = "digits", root=None, seed: int = 0,
         (tmp / "bad_files.json").write_text(json.dumps(written["bad_files"], indent=2) + "\n")
         (tmp / "dataset.json").write_text(json.dumps(info, indent=2) + "\n")
         _swap_into_place(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in DISK_FULL:
+            raise OSError(exc.errno, f"no space left on the device of {out.parent} while writing the shards "
+                          f"({exc.strerror}); the partial output was removed and {out} is as before: free "
+                          f"space and re-run") from exc
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

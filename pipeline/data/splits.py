@@ -76,11 +76,19 @@ def carve_splits(labels: np.ndarray, seed: int, val_fraction: float, test_fracti
     return out
 
 
+def check_fraction(key: str, value: float) -> None:
+    """A fraction of the images (val, test, allowed undecodable) is in [0, 1): at 1 nothing is left to train on.
+
+    The one definition of that range: the params check and the shard stage both call this.
+    """
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{key}: {value!r} must be in [0, 1)")
+
+
 def check_fractions(val_fraction: float, test_fraction: float) -> None:
     """Reject fractions that would leave no training data."""
-    for name, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-        if not 0.0 <= v < 1.0:
-            raise ValueError(f"{name}={v!r}: must be in [0, 1)")
+    check_fraction("val_fraction", val_fraction)
+    check_fraction("test_fraction", test_fraction)
     if val_fraction + test_fraction >= 1.0:
         raise ValueError(f"val_fraction + test_fraction = {val_fraction + test_fraction} must be < 1")
 
