@@ -8,8 +8,8 @@ with no image files, gets an ``error:`` line on stderr and the others still run.
 Exit codes:
   0  every input was classified
   1  some input failed (missing, not a readable image, a directory without image files)
-  2  nothing was classified: a bad argument (e.g. ``--batch-size 0``) or an export that cannot be
-     loaded (a missing or corrupt ``config.json`` or model file; the message names it)
+  2  a bad argument (e.g. ``--batch-size 0``), or an export that cannot be loaded or run (a missing
+     or corrupt ``config.json`` or model file, or the two disagree; the message names the file)
 """
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ class Predictor:
         except (TypeError, ValueError) as exc:
             raise ModelError(f"{model_dir / 'config.json'}: bad image_size or normalize ({_reason(exc)}); "
                              f"{REEXPORT}") from None
-        self._run = load_file(model_dir / MODEL_FILES[fmt], RUNNERS[fmt])
+        self.model_file = model_dir / MODEL_FILES[fmt]
+        self._run = load_file(self.model_file, RUNNERS[fmt])
 
     def preprocess(self, path: Path) -> torch.Tensor:
         with Image.open(path) as img:
@@ -113,7 +114,11 @@ class Predictor:
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        logits = torch.as_tensor(self._run(images))
+        try:
+            logits = torch.as_tensor(self._run(images))
+        except Exception as exc:  # e.g. config.json's image_size is not the size the model was exported at
+            raise ModelError(f"{self.model_file}: fails on {tuple(images.shape)} inputs made as its config.json "
+                             f"says ({_reason(exc)}); {REEXPORT}") from None
         probs = logits.softmax(-1)
         conf, idx = probs.max(-1)
         return idx.numpy(), conf.numpy()
@@ -175,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {path}: not a readable image ({type(exc).__name__}: {exc})", file=sys.stderr)
                 failed += 1
         if tensors:
-            idx, conf = predictor(torch.stack(tensors))
+            try:
+                idx, conf = predictor(torch.stack(tensors))
+            except ModelError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
             for path, i, c in zip(good, idx, conf):
                 print(f"{path}\t{predictor.classes[i]}\t{c:.4f}", flush=True)
     if failed:

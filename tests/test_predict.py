@@ -1,6 +1,7 @@
 """`python -m pipeline.predict` on bad exports and bad inputs: one clear line and a documented exit code."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -83,6 +84,15 @@ def test_unusable_export_names_the_file(export_dir, images, tmp_path, capsys, fm
     line = _one_error_line(captured.err)
     assert line.startswith(f"error: {model / name}: ") and needle in line and "re-run the export stage" in line, line
     assert captured.out == ""
+
+
+def test_export_that_disagrees_with_its_config(export_dir, images, tmp_path, capsys):
+    meta = json.loads((export_dir / "config.json").read_text())
+    model = _damaged_copy(export_dir, tmp_path / "exports", "config.json",
+                          json.dumps({**meta, "image_size": 12}).encode())  # traced at 8x8
+    assert predict.main([str(images), "--model", str(model), "--format", "torchscript"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {model / 'model.torchscript.pt'}: fails on (3, 3, 12, 12) inputs"), line
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "two"])
