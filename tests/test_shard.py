@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -253,6 +254,8 @@ def test_full_disk_is_one_line_and_keeps_the_previous_output(tmp_path, monkeypat
                           "(No space left on device); the partial output was removed"), err
     assert [p.name for p in Path("data/shards").iterdir()] == ["pretrain"]
     assert {p.name: p.read_bytes() for p in Path("data/shards/pretrain").iterdir()} == before
+    open_files = [os.readlink(fd) for fd in Path("/proc/self/fd").iterdir() if fd.is_symlink()]
+    assert not [f for f in open_files if ".pretrain.tmp-" in f]  # no tar left to finish at exit
 
 
 def test_imagefolder_errors(tmp_path):

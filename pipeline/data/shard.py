@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -34,6 +35,7 @@ KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}  # kept byte-for-byte
 MANIFEST_SCHEMA = pa.schema([("key", pa.string()), ("split", pa.string()), ("shard", pa.string()),
                              ("label", pa.int64()), ("source_path", pa.string()), ("bytes", pa.int64())])
 TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # OSError numbers reported as "no space left"
 
 
 class BadImage(Exception):
@@ -130,6 +132,16 @@ class _SplitWriter:
         self.n += 1
         return key, name
 
+    def abort(self) -> None:
+        """Close the open shard after an error, without raising again (on a full disk, the tar's end
+        blocks fail too); else the tar is finished at garbage collection, into a closed file, noisily."""
+        tar, self.writer = self.writer and self.writer.tarstream, None
+        for close in (tar.tarstream.close, tar.stream.close) if tar is not None else ():
+            try:
+                close()
+            except (OSError, ValueError):
+                pass
+
     def close(self) -> list[dict]:
         if self.writer is not None:
             self.writer.close()
@@ -157,6 +169,17 @@ def _chunks(it, n: int):
         yield chunk
 
 
+@contextmanager
+def _aborting(writers: dict[str, _SplitWriter]):
+    """On any error inside, abort every split's open shard, then let the error through."""
+    try:
+        yield
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+
+
 def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction) -> dict[str, Any]:
     """Stream records into per-split shards; memory is bounded by one chunk plus open shards."""
     writers = {s: _SplitWriter(tmp, s, maxcount, maxsize) for s in SPLITS}
@@ -173,7 +196,7 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
         except BadImage as exn:
             return None, str(exn)
 
-    with pq.ParquetWriter(tmp / "manifest.parquet", MANIFEST_SCHEMA) as manifest, \
+    with _aborting(writers), pq.ParquetWriter(tmp / "manifest.parquet", MANIFEST_SCHEMA) as manifest, \
             ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 2)) as pool:
         for chunk in _chunks(plan.records, 256):
             for rec, (out, err) in zip(chunk, pool.map(run, chunk)):
@@ -196,7 +219,8 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
                 manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
                 rows = {name: [] for name in MANIFEST_SCHEMA.names}
         manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
-    shards = {s: writers[s].close() for s in SPLITS}
+    with _aborting(writers):
+        shards = {s: writers[s].close() for s in SPLITS}
     totals = np.sum([class_counts[s] for s in SPLITS], axis=0)
     empty = [plan.classes[i] for i in np.flatnonzero(totals == 0)]
     if empty:
@@ -234,9 +258,6 @@ def shard_warnings(info: dict, out_dir) -> list[str]:
             elsewhere = ", ".join(f"{s} {info['class_counts'][s][i]}" for s in SPLITS if s != "train")
             notes.append(f"class {name!r} has no train images ({elsewhere}): the model cannot learn it")
     return notes
-
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _check_replaceable(out: Path) -> None:
