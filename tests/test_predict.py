@@ -76,7 +76,8 @@ def test_classifies_each_image(export_dir, images, capsys, fmt):
     ("torchscript", "config.json", b'{"classes": ["a"], "image_si', "corrupt or incomplete"),
     ("torchscript", "config.json", b'{"classes": ["a"]}', "has no 'image_size', 'normalize' entry"),
     ("safetensors", "config.json", None, "not found"),
-])
+], ids=["corrupt-onnx", "corrupt-torchscript", "corrupt-safetensors", "missing-onnx", "truncated-config",
+        "config-without-keys", "missing-config"])
 def test_unusable_export_names_the_file(export_dir, images, tmp_path, capsys, fmt, name, data, needle):
     model = _damaged_copy(export_dir, tmp_path / "exports", name, data)
     assert predict.main([str(images), "--model", str(model), "--format", fmt]) == 2
