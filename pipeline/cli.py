@@ -1,32 +1,75 @@
-"""Entry-point wrapper for the stages: load params, run, turn known errors into one line and an exit code.
-
-Exit codes: 2 a params problem (ConfigError); 1 a missing input, a bad value or an OS error such as
-a full disk (FileNotFoundError, ValueError, OSError).
-"""
+"""Entry-point wrapper for the stages: load params, take the stage's lock, run, and turn known
+errors into one line and an exit code (the README's "When things go wrong" lists them)."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
+import signal
 import sys
-from typing import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
 
 from pipeline.config import ConfigError, Params, load_params
+from pipeline.signals import raise_on_signals, received
+
+LOCK_DIR = Path(".stage-locks")  # in the stage's working directory, beside the outputs it guards
+EXIT_FAILED, EXIT_CONFIG, EXIT_BUSY = 1, 2, 3
 
 
-def run_stage(fn: Callable[..., object], *args: str) -> None:
-    """Load ``params.yaml`` (or ``$VIT_PARAMS``), call ``fn(params, *args)``, exit non-zero on error."""
+class StageBusy(RuntimeError):
+    """Another process runs the same stage in the same directory."""
+
+
+@contextmanager
+def stage_lock(name: str) -> Iterator[None]:
+    """One running instance of a stage per working directory: a second one would share the first's
+    outputs, Ray run directory and MLflow run. The OS drops the lock when the holder dies."""
+    LOCK_DIR.mkdir(exist_ok=True)
+    path = LOCK_DIR / f"{name}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            f.seek(0)
+            raise StageBusy(f"stage {name!r} is already running in {Path.cwd()} (pid {f.read().strip() or '?'}, "
+                            f"lock {path}); wait for it to finish or stop it first") from None
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+
+
+def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) -> None:
+    """Load ``params.yaml`` (or ``$VIT_PARAMS``), call ``fn(params, *args)`` under the lock ``name``
+    (default: the function's name), exit non-zero with one line on error."""
+    raise_on_signals()
     path = os.environ.get("VIT_PARAMS", "params.yaml")
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep the console to progress lines
     try:
         params: Params = load_params(path)
-        fn(params, *args)
+        with stage_lock(name or fn.__name__):
+            fn(params, *args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except OSError as exc:  # a full disk, a read-only directory: one line naming the path, not a traceback
+        _fail(f"error: {exc}", EXIT_CONFIG)
+    except StageBusy as exc:
+        _fail(f"error: {exc}", EXIT_BUSY)
+    except ValueError as exc:
+        _fail(f"error: {type(exc).__name__}: {exc}", EXIT_FAILED)
+    except OSError as exc:  # a missing input, a full disk, a read-only directory: the path and the reason
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
-        sys.exit(1)
+        _fail(f"error: {where}{exc.strerror or exc}", EXIT_FAILED)
+    except KeyboardInterrupt as exc:
+        signum = received(exc)
+        _fail(f"error: stopped by {signal.Signals(signum).name}; outputs of this stage were not "
+              f"replaced, its MLflow run is marked KILLED; run it again to resume from the last checkpoint",
+              128 + signum)
+
+
+def _fail(message: str, code: int) -> None:
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)

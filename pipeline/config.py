@@ -148,6 +148,7 @@ class RayConfig:
     checkpoints_to_keep: int = 2
     storage_path: Optional[str] = None
     loader_workers: Optional[int] = None
+    resource_wait_s: float = 600.0
     verbose: bool = False
 
 
@@ -333,6 +334,11 @@ def validate(p: Params) -> Params:
         raise ConfigError(f"ray.loader_workers: {p.ray.loader_workers!r} must be >= 0 (0: load in the training "
                           f"process) or null (ray.cpus_per_worker - 1)")
     _positive("evaluate.batch_size", p.evaluate.batch_size)
+    _positive("ray.checkpoints_to_keep", p.ray.checkpoints_to_keep)
+    _positive("export.num_images", p.export.num_images)
+    for k in ("gpus_per_worker", "max_failures", "resource_wait_s"):
+        if getattr(p.ray, k) < 0:
+            raise ConfigError(f"ray.{k}: {getattr(p.ray, k)!r} must be >= 0")
     return p
 
 

@@ -11,11 +11,12 @@ import numpy as np
 import torch
 
 from pipeline import storage
-from pipeline.cluster import world_size
+from pipeline.cluster import worker_resources, world_size
 from pipeline.config import Params
 from pipeline.data import make_eval_loader, read_dataset_info
 from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
 from pipeline.model import ViTConfig, VisionTransformer, attention_maps, load_model
+from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.tracking import stage_run
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text
@@ -55,8 +56,8 @@ def distributed_predict(model: VisionTransformer, shard_dir, split: str, params:
     init_ray(params.ray)
     world = params.ray.num_workers
     state = ray.put({k: v.detach().cpu() for k, v in model.state_dict().items()})
-    task = ray.remote(_predict_rank).options(num_cpus=params.ray.cpus_per_worker,
-                                             num_gpus=params.ray.gpus_per_worker if params.ray.use_gpu else 0)
+    res = worker_resources(params.ray)
+    task = ray.remote(_predict_rank).options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0))
     parts = ray.get([task.remote(state, model.config.to_dict(), storage.worker_path(shard_dir), split, kwargs,
                                  rank, world) for rank in range(world)])
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -109,14 +110,19 @@ def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path
     plot_attention(pics, maps.numpy(), titles, path)
 
 
+OUTPUTS = [PLOTS / n for n in ("confusion.csv", "per_class.csv", "confusion.png", "curves.png", "attention.png")] \
+    + [METRICS / "evaluate.json"]
+
+
 def evaluate(params: Params) -> dict:
     shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)
     model, meta = load_model(MODELS / "finetune")
     size, normalize, classes = meta["image_size"], meta["normalize"], meta["classes"]
-    with stage_run("evaluate", params, extra_params={"model_size": params.model.preset, "image_size": size,
-                                                     "patch_size": model.config.patch_size[0],
-                                                     "world_size": world_size(params.ray)}):
+    with staged_outputs(*OUTPUTS) as out, \
+            stage_run("evaluate", params, extra_params={"model_size": params.model.preset, "image_size": size,
+                                                        "patch_size": model.config.patch_size[0],
+                                                        "world_size": world_size(params.ray)}):
         logits, labels = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
         check_exactly_once(labels, info, "test")
         metrics = classification_metrics(logits, labels)
@@ -128,20 +134,20 @@ def evaluate(params: Params) -> dict:
         metrics["resolution_sweep"] = resolution_sweep(model, shard_dir, params, normalize)
 
         rows = ["actual,predicted"] + [f"{classes[a]},{classes[p]}" for a, p in zip(labels.tolist(), preds.tolist())]
-        atomic_write_text(PLOTS / "confusion.csv", "\n".join(rows) + "\n")
-        atomic_write_text(PLOTS / "per_class.csv", "class,precision,recall,f1,support\n" + "".join(
+        atomic_write_text(out[PLOTS / "confusion.csv"], "\n".join(rows) + "\n")
+        atomic_write_text(out[PLOTS / "per_class.csv"], "class,precision,recall,f1,support\n" + "".join(
             f"{s['class']},{s['precision']:.6f},{s['recall']:.6f},{s['f1']:.6f},{s['support']}\n" for s in scores))
-        plot_confusion(matrix, classes, PLOTS / "confusion.png")
+        plot_confusion(matrix, classes, out[PLOTS / "confusion.png"])
         histories = {s: _read_history(PLOTS / f"{s}_history.csv") for s in ("pretrain", "finetune")}
-        plot_history({s: h for s, h in histories.items() if h}, PLOTS / "curves.png")
-        attention_figure(model, shard_dir, meta, PLOTS / "attention.png")
-        atomic_write_json(METRICS / "evaluate.json", metrics)
+        plot_history({s: h for s, h in histories.items() if h}, out[PLOTS / "curves.png"])
+        attention_figure(model, shard_dir, meta, out[PLOTS / "attention.png"])
+        atomic_write_json(out[METRICS / "evaluate.json"], metrics)
+        out.publish()
 
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         mlflow.log_metrics({f"top1_at_{r}px": v for r, v in metrics["resolution_sweep"].items()})
-        for name in ("confusion.csv", "per_class.csv", "confusion.png", "curves.png", "attention.png"):
-            mlflow.log_artifact(str(PLOTS / name))
-        mlflow.log_artifact(str(METRICS / "evaluate.json"))
+        for path in OUTPUTS:
+            mlflow.log_artifact(str(path))
     print(f"[evaluate] test top-1 {metrics['top1']:.4f}, top-5 {metrics['top5']:.4f}, loss {metrics['loss']:.4f} "
           f"on {metrics['num_samples']} images ({world_size(params.ray)} workers); top-1 by resolution "
           f"{ {r: round(v, 4) for r, v in metrics['resolution_sweep'].items()} }; pictures in {PLOTS}/", flush=True)

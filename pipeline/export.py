@@ -1,9 +1,7 @@
 """The export stage: safetensors, TorchScript and ONNX, each reloaded and checked against PyTorch."""
 from __future__ import annotations
 
-import shutil
 import warnings
-import tempfile
 from pathlib import Path
 
 import mlflow
@@ -14,8 +12,13 @@ from pipeline import storage
 from pipeline.config import Params
 from pipeline.data import make_eval_loader
 from pipeline.model import VisionTransformer, load_model, save_model
+from pipeline.outputs import staged_outputs
 from pipeline.tracking import stage_run
-from pipeline.utils import EXPORTS, METRICS, MODELS, apply_umask, atomic_write_json
+from pipeline.utils import EXPORTS, METRICS, MODELS, atomic_write_json
+
+# The model's code travels with it; by location, not "pipeline" relative to the current directory
+# (a cluster job runs in its workspace, not in the checkout).
+PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
 
 def sample_images(shard_dir, n: int, image_size: int, normalize: dict) -> torch.Tensor:
@@ -64,9 +67,25 @@ def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: tor
 
     signature = infer_signature(images[:4].numpy(), logits[:4].numpy())
     info = mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=images[:2].numpy(),
-                                    registered_model_name=name, code_paths=["pipeline"])
+                                    registered_model_name=name, code_paths=[PACKAGE_DIR])
     return {"name": name, "version": int(info.registered_model_version), "uri": f"models:/{name}/"
             f"{info.registered_model_version}"}
+
+
+def _export_and_compare(fmt: str, model: VisionTransformer, images: torch.Tensor, reference: torch.Tensor,
+                        out_dir: Path, opset: int, extra: dict) -> dict[str, float]:
+    """Write one format into ``out_dir``, load it back and compare its logits with PyTorch's."""
+    with torch.no_grad():
+        if fmt == "safetensors":
+            save_model(model, out_dir, extra=extra)
+            return _compare(reference, load_model(out_dir)[0].eval()(images))
+        if fmt == "torchscript":
+            export_torchscript(model, images, out_dir / "model.torchscript.pt")
+            return _compare(reference, load_torchscript(out_dir / "model.torchscript.pt")(images))
+    import onnxruntime as ort
+    export_onnx(model, images, out_dir / "model.onnx", opset)
+    sess = ort.InferenceSession(str(out_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    return _compare(reference, sess.run(None, {"images": images.numpy()})[0])
 
 
 def export(params: Params) -> dict:
@@ -76,45 +95,27 @@ def export(params: Params) -> dict:
     images = sample_images(storage.shard_dir("finetune"), cfg.num_images, meta["image_size"], meta["normalize"])
     with torch.no_grad():
         reference = model(images)
-    results: dict[str, dict] = {}
-    tmp = Path(tempfile.mkdtemp(prefix=".exports.", dir="."))
-    try:
-        apply_umask(tmp)
-        extra = {k: v for k, v in meta.items() if k != "model"}
-        with stage_run("export", params, extra_params={"model_size": params.model.preset,
-                                                       "image_size": meta["image_size"]}):
-            for fmt in cfg.formats:
-                if fmt == "safetensors":
-                    save_model(model, tmp, extra=extra)
-                    with torch.no_grad():
-                        results[fmt] = _compare(reference, load_model(tmp)[0].eval()(images))
-                elif fmt == "torchscript":
-                    export_torchscript(model, images, tmp / "model.torchscript.pt")
-                    with torch.no_grad():
-                        results[fmt] = _compare(reference, load_torchscript(tmp / "model.torchscript.pt")(images))
-                elif fmt == "onnx":
-                    import onnxruntime as ort
-                    export_onnx(model, images, tmp / "model.onnx", cfg.opset)
-                    sess = ort.InferenceSession(str(tmp / "model.onnx"), providers=["CPUExecutionProvider"])
-                    results[fmt] = _compare(reference, sess.run(None, {"images": images.numpy()})[0])
-            failed = [f"{fmt}: max |diff| {r['max_abs_diff']:.2e} (limit {cfg.max_abs_diff:.0e}), "
-                      f"top-1 agreement {r['top1_agreement']:.3f} (limit {cfg.min_top1_agreement})"
-                      for fmt, r in results.items()
-                      if r["max_abs_diff"] > cfg.max_abs_diff or r["top1_agreement"] < cfg.min_top1_agreement]
-            report = {"num_images": len(images), "formats": results, "passed": not failed}
-            for fmt, r in results.items():
-                mlflow.log_metrics({f"{fmt}_max_abs_diff": r["max_abs_diff"],
-                                    f"{fmt}_top1_agreement": r["top1_agreement"]})
-            if failed:
-                raise ValueError("export parity check failed: " + "; ".join(failed))
-            if EXPORTS.exists():
-                shutil.rmtree(EXPORTS)
-            tmp.rename(EXPORTS)
-            report["registered_model"] = log_and_register(model, images, reference, cfg.registered_model_name)
-            atomic_write_json(METRICS / "export.json", report)
-            mlflow.log_artifacts(str(EXPORTS), artifact_path="exports")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    extra = {k: v for k, v in meta.items() if k != "model"}
+    with staged_outputs(EXPORTS, METRICS / "export.json") as out, \
+            stage_run("export", params, extra_params={"model_size": params.model.preset,
+                                                      "image_size": meta["image_size"]}):
+        tmp = out[EXPORTS]
+        tmp.mkdir()
+        results = {fmt: _export_and_compare(fmt, model, images, reference, tmp, cfg.opset, extra)
+                   for fmt in cfg.formats}
+        failed = [f"{fmt}: max |diff| {r['max_abs_diff']:.2e} (limit {cfg.max_abs_diff:.0e}), "
+                  f"top-1 agreement {r['top1_agreement']:.3f} (limit {cfg.min_top1_agreement})"
+                  for fmt, r in results.items()
+                  if r["max_abs_diff"] > cfg.max_abs_diff or r["top1_agreement"] < cfg.min_top1_agreement]
+        report = {"num_images": len(images), "formats": results, "passed": not failed}
+        for fmt, r in results.items():
+            mlflow.log_metrics({f"{fmt}_max_abs_diff": r["max_abs_diff"], f"{fmt}_top1_agreement": r["top1_agreement"]})
+        if failed:
+            raise ValueError("export parity check failed: " + "; ".join(failed))
+        report["registered_model"] = log_and_register(model, images, reference, cfg.registered_model_name)
+        atomic_write_json(out[METRICS / "export.json"], report)
+        out.publish()
+        mlflow.log_artifacts(str(EXPORTS), artifact_path="exports")
     for fmt, r in results.items():
         print(f"[export] {fmt}: max |logit diff| {r['max_abs_diff']:.2e}, top-1 agreement "
               f"{r['top1_agreement']:.3f}", flush=True)

@@ -114,7 +114,11 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
         logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage),
                   **(extra_params or {})}
         mlflow.log_params({k: _param_value(v) for k, v in logged.items()})
-        yield run
+        try:
+            yield run
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (pipeline.signals): stopped, not failed
+            mlflow.end_run("KILLED")
+            raise
 
 
 def _param_value(v: Any) -> str:

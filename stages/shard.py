@@ -20,4 +20,4 @@ def main(params: Params, name: str = "") -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main, *sys.argv[1:])
+    run_stage(main, *sys.argv[1:], name="-".join(["shard", *sys.argv[1:]]))

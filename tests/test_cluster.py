@@ -1,7 +1,8 @@
 """Cluster path: a real Ray head (token auth, loopback dashboard) started by infra/ray-head.sh, a real
-job submitted by infra/submit.sh that runs the pretrain stage on 2 Ray Train workers with inputs and
-outputs in a workspace outside the uploaded working dir, logging to a real MLflow server; plus a fast
-check of the cluster / KubeRay / Docker configs."""
+job submitted by infra/submit.sh that runs every training stage (pretrain on 2 Ray Train workers,
+finetune, evaluate, export with its model registered) with inputs and outputs in a workspace outside
+the uploaded working dir, logging to a real MLflow server, as infra/README.md's "One machine, as a
+cluster" shows; plus a fast check of the cluster / KubeRay / Docker configs."""
 from __future__ import annotations
 
 import importlib.util
@@ -33,6 +34,8 @@ def _copy_repo(dst: Path) -> Path:
 def _tiny_overlay(repo: Path, experiment: str) -> str:
     """An overlay on params.yaml (as infra/params.cluster.yaml is), scaled down to a 1-epoch CPU run."""
     overlay = {"model": {"depth": 2}, "pretrain": {"epochs": 1, "warmup_epochs": 0},
+               "finetune": {"epochs": 1, "warmup_epochs": 0}, "evaluate": {"resolutions": [32]},
+               "export": {"num_images": 16, "registered_model_name": f"{experiment}-model"},
                "ray": {"address": "auto", "num_workers": 2, "max_failures": 0},
                "mlflow": {"experiment": experiment}}
     (repo / "params.test-cluster.yaml").write_text(yaml.safe_dump(overlay, sort_keys=False))
@@ -123,19 +126,19 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
                     MLFLOW_TRACKING_URI=mlflow_server.url)
 
     # 1. Shard on the submitter, straight into the workspace (same script the job runs).
-    shard = subprocess.run(["bash", "infra/job.sh", "shard-pretrain"], cwd=repo, env=env,
+    shard = subprocess.run(["bash", "infra/job.sh", "shard-pretrain", "shard-finetune"], cwd=repo, env=env,
                            capture_output=True, text=True, timeout=300)
     assert shard.returncode == 0, shard.stdout + shard.stderr
     assert (ws / "data/shards/pretrain/dataset.json").is_file()
 
-    # 2. Submit the pretrain stage as a Ray job and wait for it (submit.sh exits 1 if the job fails).
+    # 2. Submit the stages as one Ray job, as infra/README.md does (submit.sh's default entrypoint:
+    #    pretrain finetune evaluate export), and wait for it (submit.sh exits 1 if the job fails).
     job_id = f"vit-test-{tmp_path.name[-8:].replace('_', '-')}"
-    sub = subprocess.run(["bash", "infra/submit.sh", "--submission-id", job_id, "--",
-                          "bash", "infra/job.sh", "pretrain"],
+    sub = subprocess.run(["bash", "infra/submit.sh", "--submission-id", job_id],
                          cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     logs = sub.stdout + sub.stderr
     assert sub.returncode == 0, logs[-6000:]
-    assert "[pretrain] epoch 1/1" in logs and "[job] done: pretrain" in logs, logs[-4000:]
+    assert "[pretrain] epoch 1/1" in logs and "[job] done: pretrain finetune evaluate export" in logs, logs[-4000:]
 
     client = JobSubmissionClient(ray_head["api"], headers={"Authorization": f"Bearer {ray_head['token']}"})
     assert client.get_job_status(job_id) == JobStatus.SUCCEEDED
@@ -176,6 +179,17 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     history = ml.get_metric_history(run.info.run_id, "train_loss")  # one point per epoch, at its last step
     assert [m.step for m in history] == [summary["step"]]
     assert "config.json" in [a.path for a in ml.list_artifacts(run.info.run_id)]
+
+    # 5. The rest of the pipeline ran in the job too: evaluation, exports, a registered model version.
+    test_images = json.loads((ws / "data/shards/finetune/dataset.json").read_text())["counts"]["test"]
+    assert json.loads((ws / "metrics/evaluate.json").read_text())["num_samples"] == test_images > 0
+    export = json.loads((ws / "metrics/export.json").read_text())
+    assert export["passed"] and {"model.onnx", "model.safetensors", "model.torchscript.pt"} <= \
+        {p.name for p in (ws / "exports").iterdir()}
+    (version,) = ml.search_model_versions("name = 'cluster-job-model'")
+    assert int(version.version) == export["registered_model"]["version"] and version.status == "READY"
+    assert {r.data.tags["stage"] for r in ml.search_runs([exp.experiment_id], "tags.kind = 'stage'")} == \
+        {"pretrain", "finetune", "evaluate", "export"}
 
 
 @pytest.mark.slow

@@ -41,6 +41,10 @@ def test_repo_params_load():
     ({"pretrain.augment": {"mean": "datset"}}, ["pretrain.augment.mean", "'datset'", "'dataset'"]),
     ({"pretrain.augment": {"hlfip": 0.5}}, ["pretrain.augment", "hlfip", "hflip"]),
     ({"finetune.augment": {"auto_augment": "autoaugment"}}, ["finetune.augment.auto_augment", "randaugment"]),
+    ({"ray.num_workers": 0}, ["ray.num_workers", "0", "> 0"]),
+    ({"ray.checkpoints_to_keep": 0}, ["ray.checkpoints_to_keep", "0", "> 0"]),
+    ({"ray.max_failures": -1}, ["ray.max_failures", "-1", ">= 0"]),
+    ({"export.num_images": 0}, ["export.num_images", "0", "> 0"]),
 ])
 def test_bad_values_name_key_value_and_valid(override, needles):
     with pytest.raises(ConfigError) as err:

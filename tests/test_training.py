@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from pipeline.train.context import STATE_FILE, checkpoint_name, latest_checkpoint, list_checkpoints
 from pipeline.train.optim import accumulation, param_groups
 from tests.test_pipeline import make_repo, run
 
@@ -63,10 +66,15 @@ def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, t
     first_id = runs[0].info.run_id
 
     # 2. Re-running the stage (as an interrupted `dvc repro` re-run would) continues the same Ray run
-    #    from its step-10 checkpoint and logs into the same MLflow run.
+    #    from the newest complete checkpoint on disk and logs into the same MLflow run. Ray recorded
+    #    the step-10 one; planted beside it, as kills leave them: a newer one Ray never recorded
+    #    (step 10's state relabelled step 11), a newest one cut short, an old orphan.
+    run_dir = _plant_checkpoints(repo)
     proc = run(["python", "-m", "stages.pretrain"], repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from checkpoint: epoch 0, batch 10, step 10" in proc.stdout
+    assert "resumed from checkpoint: epoch 0, batch 11, step 11" in proc.stdout
+    left = sorted(d.name for d in run_dir.iterdir() if d.is_dir() and "checkpoint_" in d.name)
+    assert left == list_checkpoints(str(run_dir)) and len(left) == 2  # ray.checkpoints_to_keep, across attempts
     client, runs = pretrain_runs(repo)
     assert [r.info.run_id for r in runs] == [first_id] and runs[0].info.status == "FINISHED"
     rows, summary = final_state(repo)
@@ -103,6 +111,21 @@ def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, t
     assert any(k.startswith("system/") for k in m)
     artifacts = {a.path for a in client.list_artifacts(new.info.run_id)}
     assert {"pretrain.json", "pretrain_history.csv", "pretrain_curves.png", "config.json"} <= artifacts
+
+
+def _plant_checkpoints(repo) -> Path:
+    (run_dir,) = [d for d in (repo / ".ray_results").iterdir() if d.name.startswith("pretrain-")]
+    recorded = latest_checkpoint(str(run_dir))
+    state = torch.load(Path(recorded) / STATE_FILE, weights_only=False)
+    state.update(batch_in_epoch=11, step=11)
+    later = run_dir / checkpoint_name()
+    later.mkdir()
+    torch.save(state, later / STATE_FILE)
+    cut = run_dir / checkpoint_name()
+    shutil.copytree(later, cut)
+    (cut / STATE_FILE).write_bytes((cut / STATE_FILE).read_bytes()[:1000])
+    shutil.copytree(recorded, run_dir / "checkpoint_2000-01-01_00-00-00.000000")
+    return run_dir
 
 
 def test_unreachable_tracking_server_fails_fast(repo, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import zipfile
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -69,9 +70,13 @@ class RayContext(TrainContext):
                          checkpoint_dir_name=checkpoint_name() if checkpoint else None)
 
     def resume_dir(self):
+        """Ray's checkpoint of the run, unless a newer complete one is on disk: Ray restores from the
+        state it recorded last, which lags behind checkpoints written just before a kill."""
         import ray.train
         checkpoint = ray.train.get_checkpoint()
-        return checkpoint.as_directory() if checkpoint is not None else _fallback(self.resume_from)
+        if checkpoint is None or (self.resume_from and Path(self.resume_from).name > Path(checkpoint.path).name):
+            return _fallback(self.resume_from)
+        return checkpoint.as_directory()
 
 
 class LocalContext(TrainContext):
@@ -108,13 +113,31 @@ def checkpoint_name() -> str:
     return CHECKPOINT_PREFIX + datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
 
 
+def is_complete(checkpoint_dir: Path) -> bool:
+    """Its state.pt was written to the end (torch.save's zip ends with its directory)."""
+    return zipfile.is_zipfile(checkpoint_dir / STATE_FILE)
+
+
 def list_checkpoints(run_dir: str) -> list[str]:
-    """Names of the complete checkpoints (holding state.pt) in a local ``run_dir``, oldest first."""
+    """Names of the complete checkpoints in a local ``run_dir``, oldest first."""
     root = Path(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX)
-                  and (p / STATE_FILE).is_file())
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and is_complete(p))
+
+
+def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
+    """Keep the newest ``keep`` complete checkpoints of a finished run; remove older ones and any
+    partial ones that interrupted attempts left behind (Ray prunes only those it tracked)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    kept = set(list_checkpoints(run_dir)[-keep:])
+    doomed = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in kept
+                    and p.name.lstrip(".").startswith(CHECKPOINT_PREFIX))
+    for name in doomed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return doomed
 
 
 def latest_checkpoint(run_dir: str) -> Optional[str]:

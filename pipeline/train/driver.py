@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from pipeline import storage
-from pipeline.cluster import world_size
-from pipeline.config import Params, RayConfig, TrainConfig
+from pipeline.cluster import check_local_capacity, worker_resources, world_size
+from pipeline.config import ConfigError, Params, RayConfig, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.model import VisionTransformer
 from pipeline.train.checkpoint import load_state
-from pipeline.train.context import latest_checkpoint
+from pipeline.train.context import latest_checkpoint, prune_checkpoints
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.selection import Selection
 from pipeline.utils import atomic_write_text
@@ -67,12 +67,21 @@ def loader_workers(ray_cfg: RayConfig) -> int:
     return max(0, ray_cfg.cpus_per_worker - 1)
 
 
+def check_batch_fits(stage: str, global_batch: int, train_images: int, shard_dir: str) -> None:
+    """An epoch is the full batches of the train split: at least one must fit (before any memory is asked for)."""
+    if global_batch > train_images:
+        raise ConfigError(f"{stage}.global_batch_size: {global_batch} is larger than the train split "
+                          f"({train_images} images in {shard_dir}); valid: 1..{train_images}")
+
+
 def plan_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
                   shard_dir: str) -> TrainPlan:
     """Everything the ranks need, and the run name that identifies this exact run."""
     info = read_dataset_info(shard_dir)
     world = world_size(params.ray)
-    steps = max(1, info["counts"]["train"] // cfg.global_batch_size)
+    check_local_capacity(params.ray)
+    check_batch_fits(stage, cfg.global_batch_size, info["counts"]["train"], shard_dir)
+    steps = info["counts"]["train"] // cfg.global_batch_size
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     loop = LoopConfig.from_train(
         cfg, stage=stage, model=model.config.to_dict(), shard_dir=storage.worker_path(shard_dir),
@@ -116,6 +125,8 @@ def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: st
         final, checkpoint = _fit_local(plan, run, params, run_dir)
     else:
         final, checkpoint = _fit_ray(plan, run, params, storage_path, storage_fs)
+    if run_dir:
+        prune_checkpoints(run_dir, params.ray.checkpoints_to_keep)
     selection = Selection()
     selection.load_state_dict(final["selection"])
     model.load_state_dict(selection.weights)  # the raw or EMA weights that keep: last|best chose
@@ -152,7 +163,7 @@ def _fit_ray(plan: TrainPlan, run: LoopRun, params: Params, storage_path: str, s
         train_loop_per_worker,
         train_loop_config={"cfg": plan.loop, "run": dataclasses.replace(run, init_state=ray.put(run.init_state))},
         scaling_config=ScalingConfig(num_workers=params.ray.num_workers, use_gpu=params.ray.use_gpu,
-                                     resources_per_worker=_resources(params)),
+                                     resources_per_worker=worker_resources(params.ray)),
         run_config=RunConfig(
             name=plan.run_name, storage_path=storage_path, storage_filesystem=storage_fs,
             checkpoint_config=CheckpointConfig(num_to_keep=params.ray.checkpoints_to_keep),
@@ -164,13 +175,6 @@ def _fit_ray(plan: TrainPlan, run: LoopRun, params: Params, storage_path: str, s
         raise RuntimeError(f"[{plan.stage}] Ray run {plan.run_name} finished without a checkpoint")
     with result.checkpoint.as_directory() as d:  # a temporary local copy when the storage is remote
         return load_state(d), str(result.checkpoint.path)
-
-
-def _resources(params: Params) -> dict[str, float]:
-    res = {"CPU": float(params.ray.cpus_per_worker)}
-    if params.ray.use_gpu:
-        res["GPU"] = float(params.ray.gpus_per_worker or 1)
-    return res
 
 
 def write_history(history: list[dict], csv_path: str | Path) -> None:

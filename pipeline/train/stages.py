@@ -12,11 +12,12 @@ from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
 from pipeline.model import VisionTransformer, build_vit, convert_state_dict, load_model, save_model
+from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_history
 from pipeline import storage
 from pipeline.tracking import stage_run
 from pipeline.cluster import world_size
-from pipeline.train.driver import fit, plan_training, write_history
+from pipeline.train.driver import TrainResult, fit, plan_training, write_history
 from pipeline.train.selection import summary as selection_summary
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
 
@@ -34,31 +35,37 @@ def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionT
     cfg = dataclasses.replace(cfg, augment=with_dataset_stats(cfg.augment, info))  # "dataset" -> numbers
     tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")), "dataset.source": info["source"]}
     plan = plan_training(stage, params, cfg, model, str(shard_dir))
-    with stage_run(stage, params, extra_params={**_extra_params(params, cfg, model, info), **extra},
-                   tags=tags, resume_key=plan.run_name, system_metrics=True) as run:
+    model_dir, metrics_file = MODELS / stage, METRICS / f"{stage}.json"
+    history_csv, curves_png = PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png"
+    with staged_outputs(model_dir, metrics_file, history_csv, curves_png) as out, \
+            stage_run(stage, params, extra_params={**_extra_params(params, cfg, model, info), **extra},
+                      tags=tags, resume_key=plan.run_name, system_metrics=True) as run:
         result = fit(plan, params, model, run_id=run.info.run_id)
-        final = result.history[-1]
-        summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema", "step",
-                                         "images_seen") if k in final}
-        selected = selection_summary(result.selection)
-        summary.update(selected)
-        mlflow.log_metrics({k: v for k, v in selected.items() if isinstance(v, (int, float))})
+        summary = _summary(result)
+        mlflow.log_metrics({k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))})
         mlflow.set_tags({"kept_weights": result.selection.kept["source"], "kept_reason": result.selection.kept["reason"]})
-        out_dir = MODELS / stage
         aug = resolve_augment(cfg.augment)
         meta = {"classes": info["classes"], "image_size": cfg.image_size,
                 "normalize": {k: aug[k] for k in ("mean", "std")},
                 "stage": stage, "ray_run": result.run_name, "mlflow_run_id": run.info.run_id}
-        save_model(result.model, out_dir, extra=meta)
-        atomic_write_json(METRICS / f"{stage}.json", summary)
-        write_history(result.history, PLOTS / f"{stage}_history.csv")
-        plot_history({stage: result.history}, PLOTS / f"{stage}_curves.png")
-        for path in (METRICS / f"{stage}.json", PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png",
-                     out_dir / "config.json"):
+        save_model(result.model, out[model_dir], extra=meta)
+        atomic_write_json(out[metrics_file], summary)
+        write_history(result.history, out[history_csv])
+        plot_history({stage: result.history}, out[curves_png])
+        out.publish()
+        for path in (metrics_file, history_csv, curves_png, model_dir / "config.json"):
             mlflow.log_artifact(str(path))
     print(f"[{stage}] done: kept epoch {summary['kept_epoch']} ({summary['kept_source']} weights, val top-1 "
-          f"{summary['kept_val_top1']:.4f}) -> {out_dir}/", flush=True)
+          f"{summary['kept_val_top1']:.4f}) -> {model_dir}/", flush=True)
     return summary
+
+
+def _summary(result: TrainResult) -> dict:
+    """metrics/<stage>.json: the last epoch's numbers and which weights were kept."""
+    final = result.history[-1]
+    summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema", "step",
+                                     "images_seen") if k in final}
+    return {**summary, **selection_summary(result.selection)}
 
 
 def pretrain(params: Params) -> dict:

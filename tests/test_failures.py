@@ -1,0 +1,152 @@
+"""When things go wrong: sizes that cannot work, a second run of a running stage, SIGTERM, outputs
+that cannot be written, checkpoints left by interrupted runs. Real stages in a temp repo copy."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.outputs import PARTIAL, staged_outputs
+from pipeline.train.context import STATE_FILE, latest_checkpoint, list_checkpoints, prune_checkpoints
+from tests.test_pipeline import make_repo, run
+from tests.test_training import pretrain_runs, set_params, short_run
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    repo = make_repo(tmp_path_factory.mktemp("fail-repo"), edit=short_run)
+    proc = run(["python", "-m", "stages.shard", "pretrain"], repo)
+    assert proc.returncode == 0, proc.stderr
+    return repo
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("updates, needles", [
+    ({"pretrain.global_batch_size": 100000, "ray.num_workers": 1},
+     ["pretrain.global_batch_size: 100000 is larger than the train split", "valid: 1..1257"]),
+    ({"ray.num_workers": 64}, ["ray.num_workers: 64 ranks", f"{os.cpu_count()} CPUs", "ray.address"]),
+    ({"ray.use_gpu": True}, [f"needs 2 GPU (this machine has {torch.cuda.device_count()})", "ray.use_gpu: false"]),
+])
+def test_infeasible_sizes_fail_fast_with_a_message(repo, updates, needles):
+    set_params(repo, **updates)
+    try:
+        start = time.monotonic()
+        proc = run(["python", "-m", "stages.pretrain"], repo, timeout=120)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        for n in needles:
+            assert n in proc.stderr, (n, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr and time.monotonic() - start < 60
+        assert not (repo / "models/pretrain").exists()
+    finally:
+        set_params(repo, **{"pretrain.global_batch_size": 64, "ray.num_workers": 2, "ray.use_gpu": False})
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_second_instance_is_refused_and_sigterm_stops_cleanly(repo):
+    """A second identical stage fails fast (exit 3); SIGTERM ends the first with one line, exit 143,
+    its MLflow run KILLED, no Ray left behind and no outputs written."""
+    set_params(repo, **{"pretrain.epochs": 50})
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "VIT_PARAMS")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    raylets_before = _raylets()
+    first = subprocess.Popen([sys.executable, "-m", "stages.pretrain"], cwd=repo, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _wait_for(lambda: (repo / ".ray_results").is_dir() and any((repo / ".ray_results").rglob("checkpoint_*")),
+                  180, "the first run's first checkpoint")
+        second = run(["python", "-m", "stages.pretrain"], repo, timeout=60)
+        assert second.returncode == 3, second.stderr[-2000:]
+        assert f"stage 'pretrain' is already running in {repo} (pid {first.pid}" in second.stderr
+        first.send_signal(signal.SIGTERM)
+        out, err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+        set_params(repo, **{"pretrain.epochs": 2})
+    assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM") and "Traceback" not in err, err[-3000:]
+    assert "SIGTERM received" not in err  # Ray's abort handler did not run
+    _, runs = pretrain_runs(repo)
+    assert [r.info.status for r in runs] == ["KILLED"]
+    assert not (repo / "models/pretrain").exists() and not list(repo.rglob(f"{PARTIAL}*"))
+    _wait_for(lambda: not _raylets() - raylets_before, 30, "the stopped stage's Ray to shut down")
+
+
+def _raylets() -> set[int]:
+    import psutil
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"}
+
+
+@pytest.mark.slow
+def test_unwritable_output_fails_before_the_work(repo, tmp_path):
+    """An output location that cannot be written stops the stage before it trains, with the path."""
+    (repo / "plots").mkdir(exist_ok=True)
+    (repo / "plots/pretrain_history.csv").write_text("old\n")
+    shutil.rmtree(repo / "metrics", ignore_errors=True)
+    (repo / "metrics").write_text("a file where the metrics directory should be")
+    try:
+        start = time.monotonic()
+        proc = run(["python", "-m", "stages.pretrain"], repo, timeout=120)
+    finally:
+        (repo / "metrics").unlink()
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "cannot write stage outputs into metrics/" in proc.stderr and "Traceback" not in proc.stderr
+    assert "Ray Train" not in proc.stdout and time.monotonic() - start < 60
+    assert (repo / "plots/pretrain_history.csv").read_text() == "old\n"
+    assert not list(repo.rglob(f"{PARTIAL}*"))
+
+
+def test_staged_outputs_publish_together_or_not_at_all(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("models/m").mkdir(parents=True)
+    Path("models/m/old.bin").write_text("old")
+    Path("metrics").mkdir()
+    Path("metrics/m.json").write_text("old")
+    with pytest.raises(RuntimeError, match="boom"):
+        with staged_outputs("models/m", "metrics/m.json") as out:
+            out["models/m"].mkdir()
+            (out["models/m"] / "new.bin").write_text("new")
+            raise RuntimeError("boom")
+    assert Path("metrics/m.json").read_text() == "old" and sorted(os.listdir("models/m")) == ["old.bin"]
+    assert not list(tmp_path.rglob(f"{PARTIAL}*"))
+    with staged_outputs("models/m", "metrics/m.json", "plots/p.png") as out:
+        out["models/m"].mkdir()
+        (out["models/m"] / "new.bin").write_text("new")
+        out["metrics/m.json"].write_text("new")
+        assert out["plots/p.png"].suffix == ".png"  # writers that go by the suffix keep working
+        out["plots/p.png"].write_bytes(b"png")
+    assert sorted(os.listdir("models/m")) == ["new.bin"] and Path("metrics/m.json").read_text() == "new"
+    assert not list(tmp_path.rglob(f"{PARTIAL}*"))
+    with pytest.raises(RuntimeError, match="plots/p.png was not written"):
+        with staged_outputs("metrics/m.json", "plots/p.png") as out:
+            out["metrics/m.json"].write_text("newer")
+    assert Path("metrics/m.json").read_text() == "new"
+
+
+def test_checkpoints_newest_complete_first_and_pruned(tmp_path):
+    run_dir = tmp_path / "run"
+    for i, name in enumerate(["checkpoint_2026-01-01_00-00-00.000001", "checkpoint_2026-01-02_00-00-00.000001",
+                              "checkpoint_2026-01-03_00-00-00.000001_local", "checkpoint_2026-01-04_00-00-00.000001"]):
+        (run_dir / name).mkdir(parents=True)
+        torch.save({"step": i}, run_dir / name / STATE_FILE)
+    newest = run_dir / "checkpoint_2026-01-04_00-00-00.000001" / STATE_FILE
+    newest.write_bytes(newest.read_bytes()[:-30])  # killed while being written
+    (run_dir / ".checkpoint_2026-01-05_00-00-00.000001_local.tmp").mkdir()  # killed while being copied
+    assert Path(latest_checkpoint(str(run_dir))).name == "checkpoint_2026-01-03_00-00-00.000001_local"
+    removed = prune_checkpoints(str(run_dir), keep=2)
+    assert list_checkpoints(str(run_dir)) == ["checkpoint_2026-01-02_00-00-00.000001",
+                                              "checkpoint_2026-01-03_00-00-00.000001_local"]
+    assert sorted(os.listdir(run_dir)) == list_checkpoints(str(run_dir)) and len(removed) == 3
