@@ -67,10 +67,11 @@ class Predictor:
         return idx.numpy(), conf.numpy()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.predict", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline.predict") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="image files or directories")
-    ap.add_argument("--model", default="exports", help="export directory (default: exports)")
+    ap.add_argument("--model", default="exports", help="export directory: its config.json and model.<format> "
+                    "(default: exports, written by the export stage)")
     ap.add_argument("--format", default="onnx", choices=["onnx", "torchscript", "safetensors"])
     ap.add_argument("--batch-size", type=int, default=64)
     args = ap.parse_args(argv)
