@@ -135,12 +135,13 @@ def positive_int(text: str) -> int:
     return value
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.predict", description=__doc__.split("\n\n")[0],
+def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                  epilog=__doc__[__doc__.index("Exit codes:"):],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="image files or directories")
-    ap.add_argument("--model", default="exports", help="export directory (default: exports)")
+    ap.add_argument("--model", default="exports", help="export directory: its config.json and model.<format> "
+                    "(default: exports, written by the export stage)")
     ap.add_argument("--format", default="onnx", choices=list(RUNNERS))
     ap.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass (default: 64)")
     return ap.parse_args(argv)
@@ -159,8 +160,8 @@ def gather(paths: list[str]) -> tuple[list[Path], int]:
     return files, empty
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline.predict") -> int:
+    args = parse_args(argv, prog)
     try:
         predictor = Predictor(args.model, args.format)
     except ModelError as exc:

@@ -39,11 +39,12 @@ def recipe_overrides(path: str, sets: list[str] = ()) -> dict[str, object]:
     return flat
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.recipes", description=__doc__.split("\n\n")[0])
-    ap.add_argument("recipe")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--params", default="params.yaml")
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline.recipes") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe", help="a partial params.yaml, e.g. configs/cifar10.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key (repeatable)")
+    ap.add_argument("--params", default="params.yaml", help="the params the recipe is merged over and checked "
+                    "against (default: params.yaml); nothing is written, the overrides go to stdout")
     args = ap.parse_args(argv)
     overrides = recipe_overrides(args.recipe, args.set)
     try:

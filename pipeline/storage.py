@@ -192,8 +192,8 @@ def _pairs(items: list[str], what: str) -> list[tuple[str, str]]:
     return list(zip(items[::2], items[1::2]))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.storage", description=__doc__.split("\n")[0])
+def main(argv: Optional[list[str]] = None, prog: str = "python -m pipeline.storage") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     push = sub.add_parser("push", help="mirror local directories to URL prefixes")
     push.add_argument("pairs", nargs="+", metavar="LOCAL URL")

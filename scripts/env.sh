@@ -1,27 +1,42 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project's virtual environment in .venv and activate it.
-# Source it: `source scripts/env.sh [test]`. Needs only python3.11 on PATH.
-# The environment is rebuilt only when requirements*.txt change (a stamp holds their hash).
+# Source it: `source scripts/env.sh [test]`. Needs Python 3.11, 3.12 or 3.13 on PATH ($PYTHON, else
+# the first supported of python3.11, python3.12, python3.13, python3).
+# It installs the lock (requirements.txt, or requirements-test.txt for `test`: exact versions), then
+# the project itself, editable and without dependencies, for the `vit-pipeline` command.
+# The environment is rebuilt only when the lock or pyproject.toml change (a stamp holds their hash).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VIT_VENV:-$ROOT/.venv}"
-PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 REQ="$ROOT/requirements.txt"
 [ "${1:-}" = "test" ] && REQ="$ROOT/requirements-test.txt"
-want="$(cat "$ROOT"/requirements*.txt | sha256sum | cut -c1-16)-$(basename "$REQ")"
+SUPPORTED='import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 13))'
+inputs_hash() { cat "$ROOT"/requirements*.txt "$ROOT/pyproject.toml" | sha256sum | cut -c1-16; }
+want="$(inputs_hash)-$(basename "$REQ")"
 stamp="$VENV/.installed"
 if [ ! -f "$stamp" ] || ! grep -qx "$want" "$stamp" 2>/dev/null; then
   if [ ! -x "$VENV/bin/python" ]; then
-    "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"need Python 3.11, found {sys.version}"'
-    echo "[env] creating $VENV (first run installs torch, ray, mlflow, dvc: a few minutes)" >&2
+    PY="${PYTHON:-}"
+    if [ -z "$PY" ]; then
+      for cand in python3.11 python3.12 python3.13 python3; do
+        if command -v "$cand" >/dev/null && "$cand" -c "$SUPPORTED" 2>/dev/null; then PY="$cand"; break; fi
+      done
+    fi
+    if [ -z "$PY" ] || ! "$PY" -c "$SUPPORTED" 2>/dev/null; then
+      echo "[env] need Python 3.11, 3.12 or 3.13 (python3.11, python3.12, python3.13 or python3 on PATH," \
+           "or PYTHON=/path/to/python); found ${PY:-python3}: $( ("${PY:-python3}" -V) 2>&1 | head -1)" >&2
+      return 1 2>/dev/null || exit 1
+    fi
+    echo "[env] creating $VENV with $("$PY" -V 2>&1) (first run installs torch, ray, mlflow, dvc: a few minutes)" >&2
     "$PY" -m venv "$VENV"
   fi
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
   "$VENV/bin/python" -m pip install --quiet -r "$REQ" >&2
+  # The project: editable, no dependencies (the lock above has them), built with the lock's setuptools.
+  "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" >&2
   # A test env satisfies the runtime one too; record what was installed.
   echo "$want" > "$stamp"
-  [ "$(basename "$REQ")" = requirements-test.txt ] && \
-    echo "$(cat "$ROOT"/requirements*.txt | sha256sum | cut -c1-16)-requirements.txt" >> "$stamp"
+  [ "$(basename "$REQ")" = requirements-test.txt ] && echo "$(inputs_hash)-requirements.txt" >> "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"

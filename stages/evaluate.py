@@ -1,4 +1,9 @@
-"""DVC stage `evaluate`: see pipeline.evaluate.evaluate."""
+"""DVC stage `evaluate`: models/finetune on the test split -> metrics/evaluate.json and plots/ (pipeline.evaluate).
+
+Reads params `evaluate`, `finetune.interpolation`, `ray`, models/finetune/, data/shards/finetune/ and
+plots/*_history.csv; writes metrics/evaluate.json, plots/ (confusion.csv, per_class.csv, curves.png,
+confusion.png, attention.png) and an MLflow run.
+"""
 from pipeline.cli import run_stage
 from pipeline.evaluate import evaluate
 

@@ -1,4 +1,9 @@
-"""DVC stage `export`: see pipeline.export.export."""
+"""DVC stage `export`: models/finetune -> exports/ (safetensors, TorchScript, ONNX; pipeline.export).
+
+Reads params `export`, models/finetune/ and test images from data/shards/finetune/; writes exports/
+(model.safetensors, model.torchscript.pt, model.onnx, config.json), metrics/export.json, an MLflow
+run and a new version of the registered model `export.registered_model_name`.
+"""
 from pipeline.cli import run_stage
 from pipeline.export import export
 

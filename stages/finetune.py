@@ -1,4 +1,9 @@
-"""DVC stage `finetune`: see pipeline.train.stages.finetune."""
+"""DVC stage `finetune`: models/pretrain fine-tuned on data/shards/finetune -> models/finetune (pipeline.train.stages).
+
+Reads params `model`, `finetune`, `ray`, `mlflow`, models/pretrain/ (or `finetune.init`) and
+data/shards/finetune/; writes models/finetune/, metrics/finetune.json, plots/finetune_history.csv,
+plots/finetune_curves.png, Ray checkpoints and an MLflow run.
+"""
 from pipeline.cli import run_stage
 from pipeline.train.stages import finetune
 

@@ -1,4 +1,8 @@
-"""DVC stage `shard@<name>`: the dataset in params `data.<name>` -> WebDataset shards in data/shards/<name>/."""
+"""DVC stage `shard@<name>`: the dataset in params `data.<name>` -> WebDataset shards in data/shards/<name>/.
+
+Reads params `data.<name>` (name: pretrain or finetune) and the source it names; writes
+data/shards/<name>/ ({split}-NNNNNN.tar, manifest.parquet, dataset.json, bad_files.json).
+"""
 import dataclasses
 import sys
 

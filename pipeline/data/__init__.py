@@ -1,8 +1,25 @@
-"""Data stage: shard image sources into reproducible webdataset tars and load them per rank."""
-from .loader import make_eval_loader, make_train_loader, read_dataset_info
-from .shard import shard_dataset
-from .sources import SOURCES
-from .transforms import AUGMENT_DEFAULTS
+"""Data stage: shard image sources into reproducible webdataset tars and load them per rank.
 
-__all__ = ["shard_dataset", "read_dataset_info", "make_train_loader", "make_eval_loader",
-           "SOURCES", "AUGMENT_DEFAULTS"]
+The names below are imported on first use (PEP 562), so a light user of one submodule, such as
+``vit-pipeline predict`` needing only ``pipeline.data.transforms``, does not pay for scikit-learn,
+webdataset and pyarrow (about 2 s of start-up on a 2-core machine).
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"shard_dataset": "shard", "read_dataset_info": "loader", "make_train_loader": "loader",
+            "make_eval_loader": "loader", "SOURCES": "sources", "AUGMENT_DEFAULTS": "transforms"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

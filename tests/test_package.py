@@ -1,0 +1,161 @@
+"""The installable package: declared dependencies, the `vit-pipeline` command, what its start-up imports."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.repo_copy import ROOT, copy_repo_files
+
+HEAVY = ("ray", "mlflow", "dvc", "torch")
+# Prints the heavy top-level packages that `vit-pipeline ARGS...` imported (stdout: the help itself).
+PROBE = """
+import sys
+from pipeline.console import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(sorted({m.split('.')[0] for m in sys.modules} & set(%r)), file=sys.stderr)
+""" % (HEAVY,)
+
+
+def _imported(*args: str) -> tuple[list[str], str]:
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    return json.loads(proc.stderr.strip().splitlines()[-1].replace("'", '"')), proc.stdout
+
+
+def test_help_imports_no_heavy_package():
+    """`vit-pipeline --help` and the help of the light subcommands load no torch, Ray, MLflow or DVC."""
+    from pipeline.console import COMMANDS
+
+    for args in (["--help"], ["stage", "--help"], ["stage", "pretrain", "--help"], ["storage", "--help"],
+                 ["recipe", "--help"]):
+        imported, out = _imported(*args)
+        assert imported == [], (args, imported)
+        assert "usage: vit-pipeline" in out, (args, out)
+    _, out = _imported("--help")
+    assert all(name in out for name in COMMANDS)
+    _, out = _imported("stage", "export", "--help")
+    assert "writes exports/" in out.replace("\n", " ")
+
+
+def test_predict_help_imports_no_ray_or_mlflow():
+    imported, out = _imported("predict", "--help")
+    assert not {"ray", "mlflow", "dvc"} & set(imported), imported
+    assert "usage: vit-pipeline predict" in out and "config.json" in out
+
+
+def test_stage_runs_the_stage_module():
+    """`vit-pipeline stage shard <bad name>` reaches stages/shard.py's own check (exit 2, its usage line)."""
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "stage", "shard", "nope"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "stages.shard {pretrain|finetune}" in proc.stderr, proc.stderr
+
+
+def _lock() -> dict[str, str]:
+    """``{name: version}`` pinned in requirements*.txt (the lock scripts/env.sh installs)."""
+    pins = {}
+    for f in ("requirements.txt", "requirements-test.txt"):
+        for line in (ROOT / f).read_text().splitlines():
+            m = re.match(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^\s#]+)", line)
+            if m:
+                pins[m.group(1).lower()] = m.group(3)
+    return pins
+
+
+def test_declared_dependencies_match_the_lock():
+    """pyproject's lower bounds are the lock's versions (the tested ones), for the same packages."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {}
+    for req in project["dependencies"] + project["optional-dependencies"]["test"]:
+        name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?>=(\S+)", req).groups()
+        declared[name.lower()] = version
+    lock = _lock()
+    build_only = {"setuptools"}  # in the lock to build the editable install, not needed at run time
+    assert declared == {k: v for k, v in lock.items() if k not in build_only}
+    assert project["requires-python"] == ">=3.11"
+
+
+def _site_packages_without_this_project(dst: Path) -> Path:
+    """Links to every entry of this environment's site-packages except an install of this project.
+
+    A fresh venv that sees these (via a .pth file) has the declared dependencies already installed,
+    so pip can check and resolve them offline without copying gigabytes.
+    """
+    dst.mkdir()
+    for key in ("purelib", "platlib"):
+        for entry in Path(sysconfig.get_paths()[key]).iterdir():
+            low = entry.name.lower()
+            if low.startswith(("vit_pipeline", "__editable__.vit_pipeline", "__editable___vit_pipeline")) \
+                    or low in ("pipeline", "stages") or (dst / entry.name).exists():
+                continue
+            (dst / entry.name).symlink_to(entry)
+    return dst
+
+
+def _exported_model(out: Path) -> Path:
+    """The tiniest exported model (safetensors + config.json + ONNX), as the export stage writes it."""
+    import torch
+
+    from pipeline.export import export_onnx
+    from pipeline.model import build_vit, save_model
+
+    torch.manual_seed(0)
+    model = build_vit("nano", patch_size=4, image_size=16, num_classes=3).eval()
+    save_model(model, out, extra={"classes": ["cat", "dog", "fox"], "image_size": 16,
+                                  "normalize": {"mean": [0.5] * 3, "std": [0.5] * 3}})
+    export_onnx(model, torch.rand(2, 3, 16, 16), out / "model.onnx", opset=18)
+    return out
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_predicts(tmp_path):
+    """Acceptance: build the wheel, install it with its declared dependencies into a fresh venv, then
+    `vit-pipeline --help` and `vit-pipeline predict` on an exported model, from outside the checkout."""
+    src = copy_repo_files(tmp_path / "src", ["pyproject.toml", "README.md", "pipeline", "stages"])
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-q", "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=300)
+    wheel, = (tmp_path / "dist").glob("vit_pipeline-*.whl")
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    deps = _site_packages_without_this_project(tmp_path / "deps")
+    (site / "_deps.pth").write_text(f"{deps}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
+    # --no-index: the wheel's Requires-Dist must be met by what is installed, or pip fails.
+    subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", str(wheel)], cwd=tmp_path, env=env,
+                   check=True, timeout=300)
+    subprocess.run([py, "-m", "pip", "check"], cwd=tmp_path, env=env, check=True, timeout=120)
+
+    work = tmp_path / "work"
+    work.mkdir()
+    exports = _exported_model(work / "exports")
+    from PIL import Image
+    Image.new("RGB", (20, 24), (200, 30, 30)).save(work / "red.png")
+
+    def vit(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([venv / "bin" / "vit-pipeline", *args], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    helped = vit("--help")
+    assert helped.returncode == 0 and "predict" in helped.stdout, helped.stderr
+    where = subprocess.run([py, "-c", "import pipeline; print(pipeline.__file__)"], cwd=work, env=env,
+                           capture_output=True, text=True, check=True).stdout
+    assert Path(where).resolve().is_relative_to(site.resolve()), where  # the installed copy, not the checkout
+    got = vit("predict", "red.png", "--model", str(exports))
+    assert got.returncode == 0, got.stderr
+    path, label, prob = got.stdout.strip().split("\t")
+    assert path == "red.png" and label in ("cat", "dog", "fox") and 0 < float(prob) <= 1
