@@ -202,7 +202,8 @@ def test_optimizer_is_fused_adamw_and_steps_like_the_reference():
 def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
     """World-size invariance: same global batch and seed → same samples and augmentations per global
     step, so the first-step loss (mean over the global batch) matches on 1 and 2 workers (the latter
-    with a DataLoader worker in each Ray worker)."""
+    Ray Train ranks with a DataLoader worker each; the former in-process, which the next test shows
+    equal to a 1-worker Ray run)."""
     from mlflow.tracking import MlflowClient
 
     losses = {}
@@ -210,7 +211,8 @@ def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
         def edit(raw, workers=workers):
             raw = short_run(raw)
             raw["pretrain"].update(epochs=1, checkpoint_every_steps=None, log_every_steps=1)
-            raw["ray"].update(num_workers=workers, loader_workers=workers - 1)  # 2 ranks x 1 DataLoader worker
+            raw["ray"].update(num_workers=workers, loader_workers=workers - 1,  # 2 ranks x 1 DataLoader worker
+                              backend="local" if workers == 1 else "ray")
             return raw
 
         repo = make_repo(tmp_path_factory.mktemp(f"w{workers}"), edit=edit)
