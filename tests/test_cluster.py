@@ -193,6 +193,26 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
 
 
 @pytest.mark.slow
+def test_stage_on_a_too_small_cluster_waits_then_names_what_is_missing(ray_head, env_factory, tmp_path):
+    """Joined to the 2-CPU head, 2 ranks x 2 CPUs cannot start: the stage says what it waits for,
+    waits ray.resource_wait_s, then exits 2 naming what is missing (Ray alone would wait forever)."""
+    repo = _copy_repo(tmp_path / "repo")
+    overlay = {"data": {"pretrain": {"num_classes": 4, "samples_per_class": 20}}, "model": {"depth": 2},
+               "pretrain": {"global_batch_size": 16},
+               "ray": {"num_workers": 2, "cpus_per_worker": 2, "resource_wait_s": 3}}
+    (repo / "params.small.yaml").write_text(yaml.safe_dump(overlay))
+    env = env_factory(**{k: v for k, v in ray_head["env"].items() if k.startswith("RAY_AUTH")}, RAY_AUTH_MODE="token",
+                      RAY_ADDRESS=f"127.0.0.1:{ray_head['ports']['RAY_PORT']}", VIT_WORKSPACE=str(tmp_path / "ws"),
+                      VIT_PARAMS_OVERLAY="params.small.yaml")
+    proc = subprocess.run(["bash", "infra/job.sh", "shard-pretrain", "pretrain"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[ray] waiting up to 3 s for the cluster to offer 4 CPU (cluster has 2)" in proc.stdout, proc.stdout[-2000:]
+    assert "needs 4 CPU (cluster has 2) after 3 s (ray.resource_wait_s)" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "ws/models/pretrain").exists()
+
+
+@pytest.mark.slow
 def test_stop_frees_the_head_ports(ray_head):
     """Runs last in this module: stop the head explicitly, check that its ports are released."""
     env = ray_head["env"]
