@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import ConfigError, load_params  # noqa: E402
+from pipeline.config import ConfigError, DataConfig, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.transforms import with_dataset_stats  # noqa: E402
 from pipeline.model import build_vit  # noqa: E402
@@ -44,7 +44,7 @@ def cifar_shards(out: Path) -> Path:
         if not (raw / "train").is_dir():
             with tarfile.open(CIFAR_TGZ) as tf:
                 tf.extractall(raw, filter="data")
-        shard_dataset(out, source="imagefolder", root=raw, val_fraction=0.02, maxcount=5000)
+        shard_dataset(out, DataConfig(source="imagefolder", root=raw, val_fraction=0.02, maxcount=5000))
     return out
 
 

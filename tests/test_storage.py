@@ -14,6 +14,7 @@ import yaml
 
 from pipeline import storage
 from tests.repo_copy import copy_repo_files
+from pipeline.config import DataConfig
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def local_shards(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("shards") / "pretrain"
-    shard_dataset(out, source="digits", maxcount=256)
+    shard_dataset(out, DataConfig(source="digits", maxcount=256))
     return out
 
 

@@ -5,6 +5,7 @@ params. Everything is written into a temp dir beside ``out_dir`` and renamed int
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import io
@@ -17,7 +18,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +26,7 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from PIL import Image
 
+from pipeline.config import DataConfig
 from pipeline.utils import apply_umask
 
 from .sources import SOURCES, build_plan
@@ -280,40 +282,38 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def shard_dataset(out_dir, *, source: str = "digits", root=None, seed: int = 0,
-                  val_fraction: float = 0.1, test_fraction: float = 0.2, maxcount: int = 1000,
-                  maxsize: int = 64_000_000, max_side: Optional[int] = None,
-                  max_bad_fraction: float = 0.0, class_names: Optional[Sequence[str]] = None,
-                  num_classes: int = 10, samples_per_class: int = 500, image_size: int = 32) -> dict:
-    """Write ``source`` as train/val/test webdataset shards in ``out_dir``; return dataset.json's content."""
-    params = dict(source=source, root=None if root is None else str(root), seed=seed,
-                  val_fraction=val_fraction, test_fraction=test_fraction, maxcount=maxcount,
-                  maxsize=maxsize, max_side=max_side, max_bad_fraction=max_bad_fraction,
-                  class_names=None if class_names is None else list(class_names),
-                  num_classes=num_classes, samples_per_class=samples_per_class, image_size=image_size)
-    if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}; valid: {list(SOURCES)}")
-    check_fractions(val_fraction, test_fraction)
-    if maxcount < 1 or maxsize < 1:
-        raise ValueError(f"maxcount ({maxcount}) and maxsize ({maxsize}) must be >= 1")
-    check_fraction("max_bad_fraction", max_bad_fraction)
-    if max_side is not None and max_side < 1:
-        raise ValueError(f"max_side={max_side!r}: must be null or >= 1")
+def shard_dataset(out_dir, spec: DataConfig) -> dict:
+    """Write ``spec.source`` as train/val/test webdataset shards in ``out_dir``; return dataset.json's content.
+
+    ``spec`` is one ``data.<name>`` section of params.yaml; its fields are recorded in dataset.json.
+    """
+    params = dataclasses.asdict(spec)
+    params.update(root=None if spec.root is None else str(spec.root),
+                  class_names=None if spec.class_names is None else list(spec.class_names))
+    if spec.source not in SOURCES:
+        raise ValueError(f"unknown source {spec.source!r}; valid: {list(SOURCES)}")
+    check_fractions(spec.val_fraction, spec.test_fraction)
+    if spec.maxcount < 1 or spec.maxsize < 1:
+        raise ValueError(f"maxcount ({spec.maxcount}) and maxsize ({spec.maxsize}) must be >= 1")
+    check_fraction("max_bad_fraction", spec.max_bad_fraction)
+    if spec.max_side is not None and spec.max_side < 1:
+        raise ValueError(f"max_side={spec.max_side!r}: must be null or >= 1")
     out = Path(out_dir)
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         apply_umask(tmp)
-        plan = build_plan(source, root=root, seed=seed, val_fraction=val_fraction,
-                          test_fraction=test_fraction, class_names=class_names, num_classes=num_classes,
-                          samples_per_class=samples_per_class, image_size=image_size)
-        written = _write_all(tmp, plan, maxcount=maxcount, maxsize=maxsize, max_side=max_side,
-                             max_bad_fraction=max_bad_fraction)
+        plan = build_plan(spec.source, root=spec.root, seed=spec.seed, val_fraction=spec.val_fraction,
+                          test_fraction=spec.test_fraction, class_names=spec.class_names,
+                          num_classes=spec.num_classes, samples_per_class=spec.samples_per_class,
+                          image_size=spec.image_size)
+        written = _write_all(tmp, plan, maxcount=spec.maxcount, maxsize=spec.maxsize, max_side=spec.max_side,
+                             max_bad_fraction=spec.max_bad_fraction)
         shards = written["shards"]
         info = {
             "format_version": FORMAT_VERSION,
-            "source": source,
+            "source": spec.source,
             "classes": plan.classes,
             "num_classes": len(plan.classes),
             "counts": {s: sum(sh["count"] for sh in shards[s]) for s in SPLITS},
