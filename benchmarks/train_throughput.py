@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.config import ConfigError, DataConfig, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.transforms import with_dataset_stats  # noqa: E402
-from pipeline.model import build_vit  # noqa: E402
+from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.driver import plan_training  # noqa: E402
 from pipeline.train.worker import Stepper  # noqa: E402
@@ -105,9 +105,7 @@ def main() -> None:
     cfg = getattr(params, args.stage)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)
-    model = build_vit(params.model.preset, patch_size=params.model.patch_size, image_size=cfg.image_size,
-                      num_classes=len(info["classes"]), pool=params.model.pool,
-                      drop_path_rate=params.model.drop_path_rate, **params.model.overrides())
+    model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
     cfg.augment = with_dataset_stats(cfg.augment, info)
     loop = plan_training(args.stage, params, cfg, model, str(shard_dir)).loop
     steps_needed = args.rounds * (args.steps + 3) + 3

@@ -13,6 +13,7 @@ from pipeline.model import (
     VisionTransformer,
     ViTConfig,
     attention_maps,
+    build_model,
     build_vit,
     convert_state_dict,
     load_model,
@@ -67,6 +68,15 @@ def test_build_rejects_unknown_names():
     with pytest.raises(ValueError, match="valid ViTConfig fields"):
         nano(dropout=0.1)
     assert nano(depth=2, embed_dim=32).config.depth == 2
+
+
+def test_build_model_reads_the_params_model_section():
+    from pipeline.config import ModelConfig
+
+    section = ModelConfig(preset="nano", patch_size=4, pool="mean", drop_path_rate=0.1, depth=2)
+    model = build_model(section, image_size=16, num_classes=3)
+    assert model.config == nano(pool="mean", drop_path_rate=0.1, depth=2, num_classes=3).config
+    assert build_model(section, image_size=16, num_classes=3, patch_size=8).config.patch_size == (8, 8)
 
 
 # ----------------------------------------------------------------------------- shapes / params

@@ -11,7 +11,7 @@ import torch
 from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
-from pipeline.model import VisionTransformer, build_vit, convert_state_dict, load_model, save_model
+from pipeline.model import VisionTransformer, build_model, convert_state_dict, load_model, save_model
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_history
 from pipeline import storage
@@ -73,10 +73,7 @@ def pretrain(params: Params) -> dict:
     shard_dir = storage.shard_dir("pretrain")
     info = read_dataset_info(shard_dir)
     torch.manual_seed(params.pretrain.seed)
-    model = build_vit(params.model.preset, patch_size=params.model.patch_size,
-                      image_size=params.pretrain.image_size, num_classes=len(info["classes"]),
-                      pool=params.model.pool, drop_path_rate=params.model.drop_path_rate,
-                      **params.model.overrides())
+    model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=len(info["classes"]))
     return _train_and_save("pretrain", params, params.pretrain, model, shard_dir, info, {})
 
 
@@ -87,9 +84,7 @@ def load_finetune_start(params: Params, num_classes: int) -> VisionTransformer:
         model, _ = load_model(MODELS / "pretrain")
     elif ft.init == "scratch":  # ablation: the same fine-tune without pretraining
         torch.manual_seed(ft.seed)
-        model = build_vit(params.model.preset, patch_size=params.model.patch_size,
-                          image_size=params.pretrain.image_size, num_classes=num_classes, pool=params.model.pool,
-                          drop_path_rate=params.model.drop_path_rate, **params.model.overrides())
+        model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=num_classes)
     else:
         model = _load_external(params, Path(ft.init))
     torch.manual_seed(ft.seed)
@@ -120,8 +115,7 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
     except KeyError as exc:
         raise ValueError(f"finetune.init: {path} has no {exc} (is finetune.init_source="
                          f"{params.finetune.init_source!r} right? valid: pipeline, timm, torchvision)") from None
-    model = build_vit(params.model.preset, patch_size=patch, image_size=grid * patch, num_classes=0,
-                      pool=params.model.pool, drop_path_rate=params.model.drop_path_rate, **params.model.overrides())
+    model = build_model(params.model, patch_size=patch, image_size=grid * patch, num_classes=0)
     if model.config.embed_dim != width:
         raise ValueError(f"finetune.init: {path} is {width} wide but model.preset={params.model.preset!r} is "
                          f"{model.config.embed_dim} wide (set model.preset / model.embed_dim to match)")
