@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .sources import check_labels, resolve_classes
+from .records import check_labels, resolve_classes
 from .splits import SPLITS, Plan, Record, carve_splits, split_of_index
 
 LAYOUTS = {

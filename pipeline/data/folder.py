@@ -10,11 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .sources import check_labels, records_from_splits
+from .records import SPLIT_DIRS, check_labels, records_from_splits
 from .splits import Plan, carve_splits
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
-SPLIT_DIRS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
 LAYOUT = "root/<class>/<image> or root/{train,val,test}/<class>/<image>"
 
 

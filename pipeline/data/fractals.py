@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sources import resolve_classes
+from .records import resolve_classes
 from .splits import SPLITS, Plan, Record, carve_splits
 
 BURN_IN, STEPS = 6, 30

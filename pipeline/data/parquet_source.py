@@ -13,8 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .folder import SPLIT_DIRS
-from .sources import check_labels
+from .records import SPLIT_DIRS, check_labels
 from .splits import SPLITS, Plan, Record, carve_splits, split_of_index
 
 BATCH_ROWS = 256
