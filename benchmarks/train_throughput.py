@@ -6,7 +6,7 @@ device), measured side by side in one process, plus peak GPU memory and MFU.
     python benchmarks/train_throughput.py --recipe configs/cifar10.yaml \\
         --shards /tmp/cifar10-shards --set ray.loader_workers=15 --steps 60
 
-The stage's own pieces run here (``plan_training``, ``make_train_loader``, ``Stepper``), in-process
+The stage's own pieces run here (``prepare_run``, ``make_train_loader``, ``Stepper``), in-process
 and without Ray, as the local runner does. ``--shards`` must hold the shard stage's output
 (``dataset.json`` + tars) for the chosen data; ``--cifar`` builds CIFAR-10 shards from the
 tarball in ``../shared/data`` first.
@@ -30,7 +30,7 @@ from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  #
 from pipeline.data.transforms import with_dataset_stats  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
-from pipeline.train.driver import plan_training  # noqa: E402
+from pipeline.train.driver import prepare_run  # noqa: E402
 from pipeline.train.worker import Stepper  # noqa: E402
 
 CIFAR_TGZ = ROOT.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
@@ -107,7 +107,7 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
     cfg.augment = with_dataset_stats(cfg.augment, info)
-    loop = plan_training(args.stage, params, cfg, model, str(shard_dir)).loop
+    loop = prepare_run(args.stage, params, cfg, model, str(shard_dir)).loop
     steps_needed = args.rounds * (args.steps + 3) + 3
     stepper = Stepper(model.to(device), loop, device)
     batches = iter(make_train_loader(

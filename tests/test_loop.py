@@ -80,7 +80,7 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir):
 
 def test_ema_warmup_follows_the_schedule_and_resumes():
     """Update 0 copies the weights (decay 0), then 1 - (1 + t)^(-2/3) until it reaches ema_decay."""
-    from pipeline.train.recipe import EMA, ema_decay_at
+    from pipeline.train.techniques import EMA, ema_decay_at
     assert ema_decay_at(0, 0.9998, True) == 0.0
     assert ema_decay_at(9, 0.9998, True) == pytest.approx(1 - 10 ** (-2 / 3))
     assert ema_decay_at(10**9, 0.9998, True) == 0.9998 and ema_decay_at(0, 0.9998, False) == 0.9998

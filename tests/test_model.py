@@ -392,7 +392,7 @@ def test_finetune_start_from_timm_weights_file(tmp_path):
     import timm.models.vision_transformer as tvit
 
     from pipeline.config import load_params
-    from pipeline.train.stages import load_finetune_start
+    from pipeline.training import load_finetune_start
 
     ref = tvit.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=7,
                                  global_pool="token").eval()

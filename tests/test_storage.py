@@ -151,13 +151,13 @@ def _streaming_supported() -> bool:
     import inspect
 
     import pipeline.train.driver as driver
-    import pipeline.train.stages as stages
+    import pipeline.training as training
 
-    return "storage.shard_dir" in inspect.getsource(stages) and "worker_path" in inspect.getsource(driver)
+    return "storage.shard_dir" in inspect.getsource(training) and "worker_path" in inspect.getsource(driver)
 
 
 @pytest.mark.xfail(not _streaming_supported(), strict=True,
-                   reason="pipeline/train/stages.py still reads SHARDS/<name> and driver.py resolves shard_dir "
+                   reason="pipeline/training.py still reads SHARDS/<name> and driver.py resolves shard_dir "
                           "as a local path: add the pipeline.storage call sites (VIT_SHARDS_URL)")
 def test_stage_streams_shards_from_bucket(s3_server, mlflow_server, env_factory, local_shards, tmp_path):
     """With VIT_SHARDS_URL the stage and its Ray workers read the tars from the bucket: no local copy."""

@@ -1,4 +1,4 @@
-"""Sources: each turns its input into a :class:`Plan` (class names + lazy, split-assigned records).
+"""Sources: each turns its input into a :class:`SourceListing` (class names + lazy, split-assigned records).
 
 Listing is cheap (paths/labels only); pixels are read by the writer, so memory stays bounded.
 """
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from .records import records_from_splits, resolve_classes
-from .splits import Plan, carve_splits
+from .splits import SourceListing, carve_splits
 
 
-def digits_plan(*, seed, val_fraction, test_fraction, class_names, **_) -> Plan:
+def digits_listing(*, seed, val_fraction, test_fraction, class_names, **_) -> SourceListing:
     """scikit-learn's bundled 8x8 digits: values 0..16 scaled to uint8 grayscale, written as PNG."""
     from sklearn.datasets import load_digits
 
@@ -21,25 +21,25 @@ def digits_plan(*, seed, val_fraction, test_fraction, class_names, **_) -> Plan:
     splits = carve_splits(labels, seed, val_fraction, test_fraction)
     records = records_from_splits(splits, labels, lambda i: f"sklearn:load_digits#{i}",
                                   lambda i: (lambda: images[i]))
-    return Plan(classes, int(labels.size), records, [])
+    return SourceListing(classes, int(labels.size), records, [])
 
 
-def build_plan(source: str, **kw) -> Plan:
-    """Dispatch to the source's planner (imported lazily: each pulls different dependencies)."""
+def list_source(source: str, **kw) -> SourceListing:
+    """Dispatch to the source's lister (imported lazily: each pulls different dependencies)."""
     if source == "digits":
-        return digits_plan(**kw)
+        return digits_listing(**kw)
     if source == "imagefolder":
-        from .folder import imagefolder_plan
-        return imagefolder_plan(**kw)
+        from .folder import imagefolder_listing
+        return imagefolder_listing(**kw)
     if source == "parquet":
-        from .parquet_source import parquet_plan
-        return parquet_plan(**kw)
+        from .parquet_source import parquet_listing
+        return parquet_listing(**kw)
     if source == "cifar":
-        from .cifar import cifar_plan
-        return cifar_plan(**kw)
+        from .cifar import cifar_listing
+        return cifar_listing(**kw)
     if source == "fractals":
-        from .fractals import fractals_plan
-        return fractals_plan(**kw)
+        from .fractals import fractals_listing
+        return fractals_listing(**kw)
     raise ValueError(f"unknown source {source!r}; valid: {list(SOURCES)}")
 
 

@@ -27,7 +27,7 @@ from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
 from pipeline.train.context import TrainContext
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.optim import accumulation, build_optimizer
-from pipeline.train.recipe import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
+from pipeline.train.techniques import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
 from pipeline.train.selection import Selection
 
 
