@@ -7,22 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from pipeline.train.context import STATE_FILE, checkpoint_name, latest_checkpoint, list_checkpoints
 from pipeline.train.optim import accumulation, param_groups
-from tests.test_pipeline import make_repo, run
+from tests.repo_copy import make_repo, pretrain_runs, run, set_params, short_run
 
 pytestmark = pytest.mark.slow
 STEPS_PER_EPOCH = 1257 // 64  # digits train split / global batch
-
-
-def short_run(raw: dict) -> dict:
-    raw["data"]["pretrain"]["source"] = "digits"  # STEPS_PER_EPOCH below
-    raw["model"].update(depth=2)
-    raw["pretrain"].update(epochs=2, warmup_epochs=0, checkpoint_every_steps=5, log_every_steps=5)
-    raw["ray"].update(max_failures=0)
-    return raw
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +22,6 @@ def repo(tmp_path_factory):
     proc = run(["python", "-m", "stages.shard", "pretrain"], repo)
     assert proc.returncode == 0, proc.stderr
     return repo
-
-
-def set_params(repo, **updates):
-    raw = yaml.safe_load((repo / "params.yaml").read_text())
-    for dotted, value in updates.items():
-        section, key = dotted.split(".")
-        raw[section][key] = value
-    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-
-
-def pretrain_runs(repo):
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
-    exp = client.get_experiment_by_name("vit-pipeline")
-    return client, client.search_runs([exp.experiment_id], "tags.stage = 'pretrain'")
 
 
 def final_state(repo):
