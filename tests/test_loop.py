@@ -139,3 +139,28 @@ def test_selection_keeps_the_better_weights_best_or_last_and_stops_early():
     again = Selection()
     again.load_state_dict(best.state_dict())
     assert again == best
+
+
+def record_step(step: int, ctx, path: str) -> None:
+    """A step hook (see test below): one line per call."""
+    with open(path, "a") as f:
+        f.write(f"{ctx.rank}:{step}\n")
+
+
+def test_step_hooks_run_by_name_before_each_step(digits_dir, tmp_path):
+    """``LoopRun.step_hooks`` names ``module:function=argument``; the loop imports and calls each one
+    before every optimizer step (how tests/faults.py injects failures into Ray workers)."""
+    import dataclasses
+
+    from pipeline.train.context import LocalContext
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import load_step_hooks, run_loop
+
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict()), shard_dir=str(digits_dir), steps_per_epoch=3)
+    log = tmp_path / "steps.txt"
+    run = LoopRun(init_state=model.state_dict(), step_hooks=(f"tests.test_loop:record_step={log}",))
+    run_loop(cfg, run, LocalContext(str(tmp_path / "run"), use_gpu=False, keep=1))
+    assert log.read_text().split() == ["0:0", "0:1", "0:2"]
+    with pytest.raises(ValueError, match="step hook 'tests.nope:fn'"):
+        load_step_hooks(["tests.nope:fn"])

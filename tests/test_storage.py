@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from pipeline import storage
+from tests.faults import fault_env
 from tests.repo_copy import copy_repo_files
 from pipeline.config import DataConfig
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
@@ -117,7 +118,7 @@ def test_job_shards_to_bucket_trains_checkpoints_and_resumes(s3_server, mlflow_s
 
     # 2. Train from the bucket; the run dies in epoch 2, after epoch 1's checkpoint went to the bucket.
     marker = tmp_path / "fault-marker"
-    fail = job("pretrain", VIT_FAULT=f"raise@{steps_per_epoch + 2}:{marker}")
+    fail = job("pretrain", **fault_env(f"raise@{steps_per_epoch + 2}:{marker}"))
     assert fail.returncode != 0 and marker.exists(), fail.stdout[-3000:] + fail.stderr[-3000:]
     assert "[storage] s3://" in fail.stdout and "data/shards" in fail.stdout  # shards came from the bucket
     ckpts = [k for k in s3_server.keys("ray/") if re.search(r"ray/pretrain-\w+/checkpoint_[^/]+/state\.pt$", k)]

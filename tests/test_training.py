@@ -10,6 +10,7 @@ import torch
 
 from pipeline.train.context import STATE_FILE, checkpoint_name, latest_checkpoint, list_checkpoints
 from pipeline.train.optim import accumulation, param_groups
+from tests.faults import inject_fault
 from tests.repo_copy import make_repo, pretrain_runs, run, set_params, short_run
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def final_state(repo):
 
 def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, tmp_path, monkeypatch):
     # 1. A run that dies at step 12 with no retries left: the stage fails, MLflow marks the run FAILED.
-    monkeypatch.setenv("VIT_FAULT", f"raise@12:{tmp_path / 'fault-a'}")
+    inject_fault(monkeypatch, f"raise@12:{tmp_path / 'fault-a'}")
     proc = run(["python", "-m", "stages.pretrain"], repo)
     assert proc.returncode != 0 and (tmp_path / "fault-a").exists()
     client, runs = pretrain_runs(repo)
@@ -61,7 +62,7 @@ def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, t
     # 3. Changed params → a new Ray run and a new MLflow run; a worker process is SIGKILLed mid-epoch
     #    and Ray Train restarts the worker group from the last checkpoint (max_failures=1).
     set_params(repo, **{"pretrain.lr": 0.0015, "ray.max_failures": 1})
-    monkeypatch.setenv("VIT_FAULT", f"kill@7:{tmp_path / 'fault-b'}")
+    inject_fault(monkeypatch, f"kill@7:{tmp_path / 'fault-b'}")
     proc = run(["python", "-m", "stages.pretrain"], repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "fault-b").exists()
@@ -217,7 +218,7 @@ def test_local_runner_and_one_ray_worker_agree_and_resume_each_other(tmp_path_fa
 
         repo = make_repo(tmp_path_factory.mktemp(f"{first}-then-{then}"), edit=edit)
         assert run(["python", "-m", "stages.shard", "pretrain"], repo).returncode == 0
-        monkeypatch.setenv("VIT_FAULT", f"raise@7:{tmp_path / first}")
+        inject_fault(monkeypatch, f"raise@7:{tmp_path / first}")
         proc = run(["python", "-m", "stages.pretrain"], repo)
         assert proc.returncode != 0 and (tmp_path / first).exists(), proc.stdout[-2000:]
         set_params(repo, **{"ray.backend": then})

@@ -98,14 +98,11 @@ def prepare_run(stage: str, params: Params, cfg: TrainConfig, model: VisionTrans
     return RunSpec(stage=stage, run_name=f"{stage}-{digest[:12]}", loop=loop, init_state=state)
 
 
-def _fault_from_env() -> dict | None:
-    """``VIT_FAULT=kill@12:/tmp/marker`` (or ``raise@…``): fail once at step 12 (tests only)."""
-    spec = os.environ.get("VIT_FAULT")
-    if not spec:
-        return None
-    mode, rest = spec.split("@", 1)
-    step, marker = rest.split(":", 1)
-    return {"mode": mode, "step": int(step), "marker": marker}
+def step_hooks_from_env() -> tuple[str, ...]:
+    """``$VIT_STEP_HOOKS``: comma-separated ``module:function[=argument]`` names that every rank calls
+    before each optimizer step (see :func:`pipeline.train.worker.load_step_hooks`). A seam for
+    debugging and for the fault-tolerance tests (``tests/faults.py``); unset in normal runs."""
+    return tuple(s.strip() for s in os.environ.get("VIT_STEP_HOOKS", "").split(",") if s.strip())
 
 
 def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str | None = None) -> TrainResult:
@@ -115,7 +112,8 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
     run_dir = None if storage_fs is not None or storage.is_url(storage_path) else str(Path(storage_path) / spec.run_name)
     run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=resolve_tracking_uri(params.tracking_uri),
-                  resume_from=latest_checkpoint(run_dir) if run_dir else None, fault=_fault_from_env())
+                  resume_from=latest_checkpoint(run_dir) if run_dir else None,
+                  step_hooks=step_hooks_from_env())
     loop, world = spec.loop, world_size(params.ray)
     print(f"[{spec.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
           f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "
