@@ -26,6 +26,7 @@ from torchvision.datasets import ImageFolder
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.loader import _collate  # noqa: E402
 from pipeline.data.transforms import BatchFinish, SampleTransform, train_transform  # noqa: E402
@@ -43,8 +44,8 @@ def ensure_data(extract_to: Path, shard_dir: Path) -> Path:
         with tarfile.open(TGZ) as tf:
             tf.extractall(extract_to, filter="data")
     if not (shard_dir / "dataset.json").exists():
-        shard_dataset(shard_dir, source="imagefolder", root=train, val_fraction=0.0, test_fraction=0.0,
-                      maxcount=2000)
+        shard_dataset(shard_dir, DataConfig(source="imagefolder", root=train, val_fraction=0.0, test_fraction=0.0,
+                                            maxcount=2000))
     return train
 
 

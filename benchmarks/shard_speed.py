@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import shard_dataset  # noqa: E402
 
 TGZ = ROOT.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
@@ -41,10 +42,10 @@ def main() -> None:
     base = rss_mb()
     c0, t0 = os.times(), time.perf_counter()
     if args.source == "imagefolder":
-        info = shard_dataset(args.out, source="imagefolder", root=args.data / "train", maxcount=args.maxcount)
+        info = shard_dataset(args.out, DataConfig(source="imagefolder", root=args.data / "train", maxcount=args.maxcount))
     else:
-        info = shard_dataset(args.out, source="fractals", num_classes=100, samples_per_class=50,
-                             image_size=32, maxcount=args.maxcount)
+        info = shard_dataset(args.out, DataConfig(source="fractals", num_classes=100, samples_per_class=50,
+                                                  image_size=32, maxcount=args.maxcount))
     wall = time.perf_counter() - t0
     c1 = os.times()
     n = sum(info["counts"].values())

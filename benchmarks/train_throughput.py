@@ -6,7 +6,7 @@ device), measured side by side in one process, plus peak GPU memory and MFU.
     python benchmarks/train_throughput.py --recipe configs/cifar10.yaml \\
         --shards /tmp/cifar10-shards --set ray.loader_workers=15 --steps 60
 
-The stage's own pieces run here (``plan_training``, ``make_train_loader``, ``Stepper``), in-process
+The stage's own pieces run here (``prepare_run``, ``make_train_loader``, ``Stepper``), in-process
 and without Ray, as the local runner does. ``--shards`` must hold the shard stage's output
 (``dataset.json`` + tars) for the chosen data; ``--cifar`` builds CIFAR-10 shards from the
 tarball in ``../shared/data`` first.
@@ -25,12 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import ConfigError, load_params  # noqa: E402
+from pipeline.config import ConfigError, DataConfig, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.transforms import with_dataset_stats  # noqa: E402
-from pipeline.model import build_vit  # noqa: E402
+from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
-from pipeline.train.driver import plan_training  # noqa: E402
+from pipeline.train.driver import prepare_run  # noqa: E402
 from pipeline.train.worker import Stepper  # noqa: E402
 
 CIFAR_TGZ = ROOT.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
@@ -44,7 +44,7 @@ def cifar_shards(out: Path) -> Path:
         if not (raw / "train").is_dir():
             with tarfile.open(CIFAR_TGZ) as tf:
                 tf.extractall(raw, filter="data")
-        shard_dataset(out, source="imagefolder", root=raw, val_fraction=0.02, maxcount=5000)
+        shard_dataset(out, DataConfig(source="imagefolder", root=raw, val_fraction=0.02, maxcount=5000))
     return out
 
 
@@ -105,11 +105,9 @@ def main() -> None:
     cfg = getattr(params, args.stage)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)
-    model = build_vit(params.model.preset, patch_size=params.model.patch_size, image_size=cfg.image_size,
-                      num_classes=len(info["classes"]), pool=params.model.pool,
-                      drop_path_rate=params.model.drop_path_rate, **params.model.overrides())
+    model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
     cfg.augment = with_dataset_stats(cfg.augment, info)
-    loop = plan_training(args.stage, params, cfg, model, str(shard_dir)).loop
+    loop = prepare_run(args.stage, params, cfg, model, str(shard_dir)).loop
     steps_needed = args.rounds * (args.steps + 3) + 3
     stepper = Stepper(model.to(device), loop, device)
     batches = iter(make_train_loader(

@@ -3,6 +3,10 @@
 Every stage loads its params through :func:`load_params`, which checks the whole file before any
 work starts: an unknown key, a wrong type or an inconsistent size stops the stage with a
 :class:`ConfigError` naming the key, the value and what would be valid.
+
+The dataclass defaults below are the values in the repository's ``params.yaml``, so a key left out
+of a params file means what the shipped file says (``tests/test_config.py`` fails if they drift).
+Keys that ``params.yaml`` does not list (``ema_decay``, ``amp``, ...) have their only default here.
 """
 from __future__ import annotations
 
@@ -17,7 +21,6 @@ from typing import Any, Optional, Union
 import yaml
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-SOURCES = ("digits", "fractals", "imagefolder", "parquet", "cifar")
 INTERP_MODES = ("nearest", "bilinear", "bicubic", "area")
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
@@ -30,27 +33,31 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    """One dataset to shard (see ``pipeline.data.shard_dataset`` for the meaning of each key)."""
+    """One dataset to shard (see ``pipeline.data.shard_dataset`` for the meaning of each key).
 
-    source: str = "digits"
+    Defaults: ``params.yaml``'s ``data.pretrain``; ``num_classes``, ``samples_per_class`` and
+    ``image_size`` are read by the ``fractals`` source only.
+    """
+
+    source: str = "fractals"
     root: Optional[str] = None
     seed: int = 0
     val_fraction: float = 0.1
     test_fraction: float = 0.2
-    maxcount: int = 1000
+    maxcount: int = 256
     maxsize: int = 64_000_000
     max_side: Optional[int] = None
     max_bad_fraction: float = 0.0
     class_names: Optional[list[str]] = None
-    num_classes: int = 10
-    samples_per_class: int = 500
+    num_classes: int = 50
+    samples_per_class: int = 60
     image_size: int = 32
 
 
 @dataclass
 class DataSection:
     pretrain: DataConfig = field(default_factory=DataConfig)
-    finetune: DataConfig = field(default_factory=DataConfig)
+    finetune: DataConfig = field(default_factory=lambda: DataConfig(source="digits"))
 
 
 @dataclass
@@ -81,20 +88,23 @@ class Interpolation:
 
 @dataclass
 class TrainConfig:
-    """Recipe of one training stage; the global batch is split evenly over Ray workers."""
+    """Recipe of one training stage; the global batch is split evenly over Ray workers.
+
+    Defaults: ``params.yaml``'s ``pretrain`` section.
+    """
 
     image_size: int = 16
-    epochs: int = 10
-    global_batch_size: int = 128
-    lr: float = 1e-3
+    epochs: int = 20
+    global_batch_size: int = 64
+    lr: float = 0.002
     min_lr: float = 1e-5
     weight_decay: float = 0.05
-    warmup_epochs: float = 1.0
-    label_smoothing: float = 0.0
+    warmup_epochs: float = 2.0
+    label_smoothing: float = 0.1
     grad_clip: Optional[float] = 1.0
     seed: int = 0
     eval_every: int = 1
-    augment: dict[str, Any] = field(default_factory=dict)
+    augment: dict[str, Any] = field(default_factory=lambda: {"random_resized_crop": [0.8, 1.0], "hflip": 0.0})
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
     ema_decay: Optional[float] = None
@@ -111,9 +121,14 @@ class TrainConfig:
 
 @dataclass
 class FinetuneConfig(TrainConfig):
-    """Fine-tuning adds the move to a new resolution / patch size and the starting weights."""
+    """Fine-tuning adds the move to a new resolution / patch size and the starting weights.
+
+    Defaults: ``params.yaml``'s ``finetune`` section (it differs from ``pretrain`` in the first three).
+    """
 
     image_size: int = 32
+    epochs: int = 15
+    warmup_epochs: float = 1.0
     patch_size: Optional[int] = None
     interpolation: Interpolation = field(default_factory=Interpolation)
     init: Optional[str] = None
@@ -123,13 +138,13 @@ class FinetuneConfig(TrainConfig):
 @dataclass
 class EvaluateConfig:
     batch_size: int = 256
-    resolutions: list[int] = field(default_factory=list)
+    resolutions: list[int] = field(default_factory=lambda: [24, 32, 40, 48])
 
 
 @dataclass
 class ExportConfig:
     formats: list[str] = field(default_factory=lambda: list(EXPORT_FORMATS))
-    opset: int = 17
+    opset: int = 18
     num_images: int = 64
     max_abs_diff: float = 1e-4
     min_top1_agreement: float = 1.0
@@ -144,7 +159,7 @@ class RayConfig:
     use_gpu: bool = False
     cpus_per_worker: int = 1
     gpus_per_worker: float = 0.0
-    max_failures: int = 0
+    max_failures: int = 2
     checkpoints_to_keep: int = 2
     storage_path: Optional[str] = None
     loader_workers: Optional[int] = None
@@ -251,19 +266,20 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(f"{key}: {value!r} must be > 0")
 
 
-def _divisible(size_key: str, size: int, patch_key: str, patch: int) -> None:
-    if size % patch:
-        lo, hi = size // patch * patch, (size // patch + 1) * patch
-        valid = f"{lo} or {hi}" if lo else str(hi)
-        raise ConfigError(
-            f"{size_key}: {size} is not divisible by {patch_key}={patch} (nearest valid sizes: {valid})")
+def _model_check(check, *args) -> None:
+    """Run one of ``ViTConfig``'s own checks (``pipeline.model.config``) with params keys as names."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def validate(p: Params) -> Params:
     """Cross-field checks that a type check alone cannot catch."""
-    from pipeline.data.splits import check_fraction  # local imports: config stays importable without torch
+    from pipeline.data.sources import SOURCES  # local imports: config stays importable without torch
+    from pipeline.data.splits import check_fraction
     from pipeline.data.transforms import resolve_augment
-    from pipeline.model import PRESETS
+    from pipeline.model.config import PRESETS, check_divisible, check_heads
     from pipeline.train.selection import KEEP_CHOICES
 
     for name in ("pretrain", "finetune"):
@@ -282,19 +298,15 @@ def validate(p: Params) -> Params:
     _choice("model.pool", p.model.pool, ("cls", "mean"))
     _positive("model.patch_size", p.model.patch_size)
     arch = {**PRESETS[p.model.preset], **p.model.overrides()}
-    width, heads = arch["embed_dim"], arch["num_heads"]
     for k in ("embed_dim", "depth", "num_heads"):
         _positive(f"model.{k}", arch[k])
-    if width % heads:
-        valid = [h for h in range(1, width + 1) if width % h == 0]
-        raise ConfigError(f"model.num_heads: {heads} does not divide model.embed_dim={width} "
-                          f"(valid head counts: {', '.join(map(str, valid))})")
-    _divisible("pretrain.image_size", p.pretrain.image_size, "model.patch_size", p.model.patch_size)
+    _model_check(check_heads, arch["embed_dim"], arch["num_heads"], "model.num_heads", "model.embed_dim")
+    _model_check(check_divisible, p.pretrain.image_size, p.model.patch_size, "pretrain.image_size", "model.patch_size")
     ft_patch_key = "finetune.patch_size" if p.finetune.patch_size else "model.patch_size"
     _positive(ft_patch_key, p.finetune_patch_size)
-    _divisible("finetune.image_size", p.finetune.image_size, ft_patch_key, p.finetune_patch_size)
+    _model_check(check_divisible, p.finetune.image_size, p.finetune_patch_size, "finetune.image_size", ft_patch_key)
     for i, r in enumerate(p.evaluate.resolutions):
-        _divisible(f"evaluate.resolutions[{i}]", r, ft_patch_key, p.finetune_patch_size)
+        _model_check(check_divisible, r, p.finetune_patch_size, f"evaluate.resolutions[{i}]", ft_patch_key)
     _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, INTERP_MODES)
     _choice("finetune.init_source", p.finetune.init_source, ("pipeline", "timm", "torchvision"))
     _positive("ray.num_workers", p.ray.num_workers)

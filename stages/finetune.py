@@ -1,11 +1,11 @@
-"""DVC stage `finetune`: models/pretrain fine-tuned on data/shards/finetune -> models/finetune (pipeline.train.stages).
+"""DVC stage `finetune`: models/pretrain fine-tuned on data/shards/finetune -> models/finetune (pipeline.training).
 
 Reads params `model`, `finetune`, `ray`, `mlflow`, models/pretrain/ (or `finetune.init`) and
 data/shards/finetune/; writes models/finetune/, metrics/finetune.json, plots/finetune_history.csv,
 plots/finetune_curves.png, Ray checkpoints and an MLflow run.
 """
 from pipeline.cli import run_stage
-from pipeline.train.stages import finetune
+from pipeline.training import finetune
 
 if __name__ == "__main__":
     run_stage(finetune)

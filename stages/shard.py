@@ -3,7 +3,6 @@
 Reads params `data.<name>` (name: pretrain or finetune) and the source it names; writes
 data/shards/<name>/ ({split}-NNNNNN.tar, manifest.parquet, dataset.json, bad_files.json).
 """
-import dataclasses
 import sys
 
 from pipeline.cli import run_stage
@@ -17,7 +16,7 @@ def main(params: Params, name: str = "") -> None:
     if name not in ("pretrain", "finetune"):
         raise ConfigError(f"usage: python -m stages.shard {{pretrain|finetune}} (got {name!r})")
     spec = getattr(params.data, name)
-    info = shard_dataset(SHARDS / name, **dataclasses.asdict(spec))
+    info = shard_dataset(SHARDS / name, spec)
     print(f"[shard:{name}] {spec.source}: {info['counts']} -> {SHARDS / name}/", flush=True)
     for note in shard_warnings(info, SHARDS / name):
         print(f"[shard:{name}] warning: {note}", file=sys.stderr, flush=True)

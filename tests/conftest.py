@@ -181,7 +181,8 @@ def s3_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def digits_dir(tmp_path_factory) -> Path:
     """Digits sharded into real tars (200 samples per shard); one per test module, read-only."""
+    from pipeline.config import DataConfig
     from pipeline.data import shard_dataset
     out = tmp_path_factory.mktemp("digits") / "shards"
-    shard_dataset(out, source="digits", maxcount=200)
+    shard_dataset(out, DataConfig(source="digits", maxcount=200))
     return out

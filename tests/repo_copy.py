@@ -1,10 +1,16 @@
-"""Copy the parts of this repository a test needs into a temp dir (tests then run stages there)."""
+"""A copy of this repository for a test to run stages in: copy it, edit its params, run commands there."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
+import yaml
+
+from tests.conftest import clean_env
+
 ROOT = Path(__file__).resolve().parents[1]
+REPO_FILES = ["pipeline", "stages", "dvc.yaml", "params.yaml", ".dvcignore", ".dvc/config", ".gitignore"]
 
 
 def copy_repo_files(dst: Path, names: list[str]) -> Path:
@@ -17,3 +23,58 @@ def copy_repo_files(dst: Path, names: list[str]) -> Path:
         else:
             shutil.copy2(src, target)
     return dst
+
+
+def tiny_params(raw: dict) -> dict:
+    """Same structure as params.yaml, scaled down so the whole pipeline takes about two minutes."""
+    raw["data"]["pretrain"].update(source="fractals", num_classes=10, samples_per_class=30)
+    raw["model"].update(depth=2)
+    raw["pretrain"].update(epochs=2, warmup_epochs=0)
+    raw["finetune"].update(epochs=1, warmup_epochs=0)
+    raw["evaluate"]["resolutions"] = [24, 32]
+    raw["export"]["num_images"] = 16
+    return raw
+
+
+def short_run(raw: dict) -> dict:
+    """A short pretrain on digits (1257 train images) with checkpoints and logs every 5 steps, no retries."""
+    raw["data"]["pretrain"]["source"] = "digits"
+    raw["model"].update(depth=2)
+    raw["pretrain"].update(epochs=2, warmup_epochs=0, checkpoint_every_steps=5, log_every_steps=5)
+    raw["ray"].update(max_failures=0)
+    return raw
+
+
+def make_repo(dst: Path, edit=tiny_params) -> Path:
+    """The stages, pipeline and DVC files in ``dst`` as a git repo, params.yaml passed through ``edit``."""
+    copy_repo_files(dst, REPO_FILES)
+    raw = yaml.safe_load((dst / "params.yaml").read_text())
+    (dst / "params.yaml").write_text(yaml.safe_dump(edit(raw), sort_keys=False))
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"]):
+        subprocess.run(cmd, cwd=dst, check=True)
+    return dst
+
+
+def set_params(repo: Path, **updates) -> None:
+    """``set_params(repo, **{"ray.num_workers": 1})``: edit section.key values of the copy's params.yaml."""
+    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    for dotted, value in updates.items():
+        section, key = dotted.split(".")
+        raw[section][key] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def run(cmd: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``cmd`` in the copy, in the test's environment less what would point it at the developer's own
+    servers or params (:func:`tests.conftest.clean_env`)."""
+    return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def pretrain_runs(repo: Path):
+    """The copy's MLflow client and its pretrain runs."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    exp = client.get_experiment_by_name("vit-pipeline")
+    return client, client.search_runs([exp.experiment_id], "tags.stage = 'pretrain'")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, load_params, flatten
+from pipeline.config import ConfigError, Params, flatten, load_params
 from pipeline.train.driver import worker_batch
 from pipeline.train.optim import warmup_cosine
 
@@ -20,6 +20,20 @@ def test_repo_params_load():
     assert p.tracking_uri.startswith(("sqlite:", "http", "file:", "/"))
     flat = flatten(p)
     assert flat["model.preset"] == p.model.preset and "finetune.interpolation.antialias" in flat
+
+
+def test_params_yaml_and_code_defaults_agree():
+    """Each default is defined once: a key left out of a params file means what params.yaml says.
+
+    The dataclass defaults in pipeline/config.py must equal every value of the repository's
+    params.yaml (keys it does not list keep their dataclass default); change both or neither.
+    """
+    shipped, code = flatten(load_params(ROOT / "params.yaml")), flatten(Params())
+    assert shipped.keys() == code.keys()
+    drift = {k: {"params.yaml": shipped[k], "pipeline/config.py": code[k]} for k in shipped if shipped[k] != code[k]}
+    assert not drift, f"params.yaml and the dataclass defaults disagree: {drift}"
+    listed = flatten(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    assert listed.keys() <= shipped.keys() and len(listed) > 50  # the check above covered the file's keys
 
 
 @pytest.mark.parametrize("override, needles", [

@@ -15,8 +15,7 @@ import torch
 
 from pipeline.outputs import PARTIAL, staged_outputs
 from pipeline.train.context import STATE_FILE, latest_checkpoint, list_checkpoints, prune_checkpoints
-from tests.test_pipeline import make_repo, run
-from tests.test_training import pretrain_runs, set_params, short_run
+from tests.repo_copy import make_repo, pretrain_runs, run, set_params, short_run
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.config import DataConfig
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 from tests.data_helpers import all_keys, make_imagefolder, tar_keys
 
@@ -35,7 +36,7 @@ def _global_step(per_rank, step) -> list[tuple[str, int, bytes]]:
 def _tiny_train(tmp_path, n_shards_max: int, test_fraction: float = 0.97) -> Path:
     """digits with a tiny train split (~40 samples) cut into shards of ``n_shards_max`` samples."""
     out = tmp_path / f"tiny{n_shards_max}"
-    shard_dataset(out, source="digits", maxcount=n_shards_max, val_fraction=0.0, test_fraction=test_fraction)
+    shard_dataset(out, DataConfig(source="digits", maxcount=n_shards_max, val_fraction=0.0, test_fraction=test_fraction))
     return out
 
 
@@ -44,7 +45,7 @@ def test_train_world_size_invariant(tmp_path, maxcount):
     """W=1, W=2 and W=4 (and W=2 with DataLoader workers) with the same global batch, seed and
     streams train on the same samples with bitwise-identical augmented pixels in every step."""
     out = tmp_path / "s"
-    shard_dataset(out, source="digits", maxcount=maxcount)
+    shard_dataset(out, DataConfig(source="digits", maxcount=maxcount))
     kw = dict(global_batch=32, steps=4, epoch=3, seed=7, augment=AUG_ALL_RANDOM)
     one = _rank_batches(out, 1, **kw)
     runs = {"W=2": _rank_batches(out, 2, **kw), "W=4": _rank_batches(out, 4, **kw),
@@ -98,7 +99,7 @@ def test_train_equal_steps_and_disjoint_ranks(tmp_path):
     ranks never share a sample within an epoch; with >= S shards they never open the same shard."""
     for maxcount, n_shards in [(200, 7), (158, 8), (100, 13)]:
         out = tmp_path / f"m{maxcount}"
-        info = shard_dataset(out, source="digits", maxcount=maxcount)
+        info = shard_dataset(out, DataConfig(source="digits", maxcount=maxcount))
         assert len(info["shards"]["train"]) == n_shards
         shard_of = {k: sh["name"] for sh in info["shards"]["train"] for k in tar_keys(out / sh["name"])}
         for world_size in (2, 4):
@@ -205,7 +206,7 @@ def test_train_fewer_samples_than_streams(tmp_path):
 def test_train_disjoint_keys_by_pixels(tmp_path):
     """End to end: decoded eval images let us identify which samples each train rank used."""
     out = tmp_path / "s"
-    shard_dataset(out, source="digits", maxcount=2000, val_fraction=0.0, test_fraction=0.0)
+    shard_dataset(out, DataConfig(source="digits", maxcount=2000, val_fraction=0.0, test_fraction=0.0))
     # 1 train shard < world_size: falls back to a sample-index modulo split
     got = []
     for rank in range(2):
@@ -228,7 +229,7 @@ def test_train_epoch_changes_order(digits_dir):
 
 def test_train_more_steps_than_data_cycles(tmp_path):
     out = tmp_path / "s"
-    shard_dataset(out, source="digits", maxcount=1000)
+    shard_dataset(out, DataConfig(source="digits", maxcount=1000))
     loader = make_train_loader(out, batch_size=100, image_size=8, steps_per_epoch=30, rank=1,
                                world_size=2, epoch=0, seed=0, augment={})
     assert sum(1 for _ in loader) == 30
@@ -251,7 +252,7 @@ def _eval_labels(out, split, world_size, batch_size, num_workers=0):
 @pytest.mark.parametrize("world_size, num_workers", [(2, 0), (4, 0), (2, 3)])
 def test_eval_exactly_once_uneven_shards(tmp_path, world_size, num_workers):
     out = tmp_path / "s"
-    info = shard_dataset(out, source="digits", maxcount=130)  # test: 360 -> 130+130+100 (3 shards)
+    info = shard_dataset(out, DataConfig(source="digits", maxcount=130))  # test: 360 -> 130+130+100 (3 shards)
     assert [s["count"] for s in info["shards"]["test"]] == [130, 130, 100]
     per_rank = _eval_labels(out, "test", world_size, batch_size=64, num_workers=num_workers)
     total = sum(len(b[1]) for batches in per_rank for b in batches)
@@ -266,7 +267,7 @@ def test_eval_exactly_once_uneven_shards(tmp_path, world_size, num_workers):
 
 def test_eval_rank_may_get_nothing(tmp_path):
     out = tmp_path / "s"
-    shard_dataset(out, source="digits", maxcount=2000, val_fraction=0.002)  # val: 4 samples
+    shard_dataset(out, DataConfig(source="digits", maxcount=2000, val_fraction=0.002))  # val: 4 samples
     per_rank = _eval_labels(out, "val", 8, batch_size=3)
     sizes = [sum(len(b[1]) for b in batches) for batches in per_rank]
     assert sum(sizes) == read_dataset_info(out)["counts"]["val"] and 0 in sizes
@@ -302,7 +303,7 @@ def test_loader_matches_reference_compose(tmp_path):
     import webdataset as wds
     root = make_imagefolder(tmp_path / "src", per_class=4)
     out = tmp_path / "out"
-    shard_dataset(out, source="imagefolder", root=root, val_fraction=0, test_fraction=0)
+    shard_dataset(out, DataConfig(source="imagefolder", root=root, val_fraction=0, test_fraction=0))
     augment = {"mean": [0.2, 0.3, 0.4], "std": [0.5, 0.6, 0.7], "interpolation": "bilinear"}
     (x, y), = list(make_eval_loader(out, "train", batch_size=64, image_size=7, rank=0, world_size=1,
                                     augment=augment))

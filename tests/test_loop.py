@@ -80,7 +80,7 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir):
 
 def test_ema_warmup_follows_the_schedule_and_resumes():
     """Update 0 copies the weights (decay 0), then 1 - (1 + t)^(-2/3) until it reaches ema_decay."""
-    from pipeline.train.recipe import EMA, ema_decay_at
+    from pipeline.train.techniques import EMA, ema_decay_at
     assert ema_decay_at(0, 0.9998, True) == 0.0
     assert ema_decay_at(9, 0.9998, True) == pytest.approx(1 - 10 ** (-2 / 3))
     assert ema_decay_at(10**9, 0.9998, True) == 0.9998 and ema_decay_at(0, 0.9998, False) == 0.9998
@@ -139,3 +139,28 @@ def test_selection_keeps_the_better_weights_best_or_last_and_stops_early():
     again = Selection()
     again.load_state_dict(best.state_dict())
     assert again == best
+
+
+def record_step(step: int, ctx, path: str) -> None:
+    """A step hook (see test below): one line per call."""
+    with open(path, "a") as f:
+        f.write(f"{ctx.rank}:{step}\n")
+
+
+def test_step_hooks_run_by_name_before_each_step(digits_dir, tmp_path):
+    """``LoopRun.step_hooks`` names ``module:function=argument``; the loop imports and calls each one
+    before every optimizer step (how tests/faults.py injects failures into Ray workers)."""
+    import dataclasses
+
+    from pipeline.train.context import LocalContext
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import load_step_hooks, run_loop
+
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict()), shard_dir=str(digits_dir), steps_per_epoch=3)
+    log = tmp_path / "steps.txt"
+    run = LoopRun(init_state=model.state_dict(), step_hooks=(f"tests.test_loop:record_step={log}",))
+    run_loop(cfg, run, LocalContext(str(tmp_path / "run"), use_gpu=False, keep=1))
+    assert log.read_text().split() == ["0:0", "0:1", "0:2"]
+    with pytest.raises(ValueError, match="step hook 'tests.nope:fn'"):
+        load_step_hooks(["tests.nope:fn"])

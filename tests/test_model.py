@@ -13,6 +13,7 @@ from pipeline.model import (
     VisionTransformer,
     ViTConfig,
     attention_maps,
+    build_model,
     build_vit,
     convert_state_dict,
     load_model,
@@ -67,6 +68,15 @@ def test_build_rejects_unknown_names():
     with pytest.raises(ValueError, match="valid ViTConfig fields"):
         nano(dropout=0.1)
     assert nano(depth=2, embed_dim=32).config.depth == 2
+
+
+def test_build_model_reads_the_params_model_section():
+    from pipeline.config import ModelConfig
+
+    section = ModelConfig(preset="nano", patch_size=4, pool="mean", drop_path_rate=0.1, depth=2)
+    model = build_model(section, image_size=16, num_classes=3)
+    assert model.config == nano(pool="mean", drop_path_rate=0.1, depth=2, num_classes=3).config
+    assert build_model(section, image_size=16, num_classes=3, patch_size=8).config.patch_size == (8, 8)
 
 
 # ----------------------------------------------------------------------------- shapes / params
@@ -382,7 +392,7 @@ def test_finetune_start_from_timm_weights_file(tmp_path):
     import timm.models.vision_transformer as tvit
 
     from pipeline.config import load_params
-    from pipeline.train.stages import load_finetune_start
+    from pipeline.training import load_finetune_start
 
     ref = tvit.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=7,
                                  global_pool="token").eval()

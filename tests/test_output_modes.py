@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config import DataConfig
 from pipeline.data import shard_dataset
 from pipeline.model import build_vit, save_model
 from pipeline.utils import atomic_write_json, current_umask
@@ -41,6 +42,6 @@ def test_outputs_follow_umask(tmp_path, umask):
     assert {p.name: _mode(p) for p in out.iterdir()} == {"model.safetensors": file_mode, "config.json": file_mode}
 
     shards = tmp_path / "shards"
-    shard_dataset(shards, source="imagefolder", root=make_imagefolder(tmp_path / "src", per_class=4))
+    shard_dataset(shards, DataConfig(source="imagefolder", root=make_imagefolder(tmp_path / "src", per_class=4)))
     assert _mode(shards) == dir_mode
     assert {_mode(p) for p in shards.iterdir()} == {file_mode}

@@ -13,40 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.repo_copy import copy_repo_files
+from tests.repo_copy import make_repo, run
 
 ROOT = Path(__file__).resolve().parents[1]
-REPO_FILES = ["pipeline", "stages", "dvc.yaml", "params.yaml", ".dvcignore", ".dvc/config", ".gitignore"]
 STAGES = ("pretrain", "finetune", "evaluate", "export")
 
 pytestmark = pytest.mark.slow
-
-
-def tiny_params(raw: dict) -> dict:
-    """Same structure as params.yaml, scaled down so the whole pipeline takes about two minutes."""
-    raw["data"]["pretrain"].update(source="fractals", num_classes=10, samples_per_class=30)
-    raw["model"].update(depth=2)
-    raw["pretrain"].update(epochs=2, warmup_epochs=0)
-    raw["finetune"].update(epochs=1, warmup_epochs=0)
-    raw["evaluate"]["resolutions"] = [24, 32]
-    raw["export"]["num_images"] = 16
-    return raw
-
-
-def make_repo(dst: Path, edit=tiny_params) -> Path:
-    copy_repo_files(dst, REPO_FILES)
-    raw = yaml.safe_load((dst / "params.yaml").read_text())
-    (dst / "params.yaml").write_text(yaml.safe_dump(edit(raw), sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"]):
-        subprocess.run(cmd, cwd=dst, check=True)
-    return dst
-
-
-def run(cmd: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "VIT_PARAMS")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

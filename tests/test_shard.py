@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.config import DataConfig
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 from pipeline.data import shard as shard_mod
 from tests.data_helpers import (CIFAR_TGZ, REPO, img_bytes, make_fake_cifar, make_hf_parquet, make_imagefolder,
@@ -57,21 +58,21 @@ def test_digits_tar_contents(digits_dir):
 
 
 def test_byte_identical_rerun(tmp_path):
-    a = shard_dataset(tmp_path / "a", source="digits", maxcount=500, seed=3)
-    b = shard_dataset(tmp_path / "b", source="digits", maxcount=500, seed=3)
+    a = shard_dataset(tmp_path / "a", DataConfig(source="digits", maxcount=500, seed=3))
+    b = shard_dataset(tmp_path / "b", DataConfig(source="digits", maxcount=500, seed=3))
     assert a["shards"] == b["shards"]
     for split in a["shards"]:
         for sh in a["shards"][split]:
             assert (tmp_path / "a" / sh["name"]).read_bytes() == (tmp_path / "b" / sh["name"]).read_bytes()
-    c = shard_dataset(tmp_path / "c", source="digits", maxcount=500, seed=4)
+    c = shard_dataset(tmp_path / "c", DataConfig(source="digits", maxcount=500, seed=4))
     assert c["shards"]["train"][0]["sha256"] != a["shards"]["train"][0]["sha256"]
 
 
 def test_rerun_replaces_old_output(tmp_path):
     out = tmp_path / "out"
-    shard_dataset(out, source="digits", maxcount=100)
+    shard_dataset(out, DataConfig(source="digits", maxcount=100))
     assert len(read_dataset_info(out)["shards"]["train"]) == 13
-    shard_dataset(out, source="digits", maxcount=1000)
+    shard_dataset(out, DataConfig(source="digits", maxcount=1000))
     assert sorted(p.name for p in out.glob("train-*.tar")) == ["train-000000.tar", "train-000001.tar"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
@@ -88,16 +89,16 @@ def test_atomic_on_failure(tmp_path, monkeypatch):
 
     monkeypatch.setattr(shard_mod, "prepare", flaky)
     with pytest.raises(RuntimeError, match="boom"):
-        shard_dataset(tmp_path / "out", source="digits", maxcount=100)
+        shard_dataset(tmp_path / "out", DataConfig(source="digits", maxcount=100))
     assert list(tmp_path.iterdir()) == []  # no out_dir, no temp dir
 
 
 def test_atomic_failure_keeps_previous_output(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    first = shard_dataset(out, source="digits", maxcount=1000)
+    first = shard_dataset(out, DataConfig(source="digits", maxcount=1000))
     monkeypatch.setattr(shard_mod, "prepare", lambda rec, ms, **kw: (_ for _ in ()).throw(KeyError("x")))
     with pytest.raises(KeyError):
-        shard_dataset(out, source="digits", maxcount=10)
+        shard_dataset(out, DataConfig(source="digits", maxcount=10))
     assert read_dataset_info(out) == first
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
@@ -105,7 +106,7 @@ def test_atomic_failure_keeps_previous_output(tmp_path, monkeypatch):
 def test_refuses_to_replace_foreign_dir(tmp_path):
     (tmp_path / "precious.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="dataset.json"):
-        shard_dataset(tmp_path, source="digits")
+        shard_dataset(tmp_path, DataConfig(source="digits"))
     assert (tmp_path / "precious.txt").exists()
 
 
@@ -117,7 +118,7 @@ def test_refuses_to_replace_foreign_dir(tmp_path):
 ])
 def test_bad_params(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
-        shard_dataset(tmp_path / "x", **kw)
+        shard_dataset(tmp_path / "x", DataConfig(**kw))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -125,7 +126,7 @@ def test_imagefolder_keeps_bytes_and_reencodes_others(tmp_path):
     root = make_imagefolder(tmp_path / "src")
     (root / "cat" / "notes.txt").write_text("not an image: ignored")
     out = tmp_path / "out"
-    info = shard_dataset(out, source="imagefolder", root=root, maxcount=5)
+    info = shard_dataset(out, DataConfig(source="imagefolder", root=root, maxcount=5))
     assert info["classes"] == ["cat", "dog", "eel"] and sum(info["counts"].values()) == 24
     import pyarrow.parquet as pq
     manifest = pq.read_table(out / "manifest.parquet").to_pylist()
@@ -147,8 +148,8 @@ def test_imagefolder_keeps_bytes_and_reencodes_others(tmp_path):
 
 def test_imagefolder_given_splits_and_val_carve(tmp_path):
     root = make_imagefolder(tmp_path / "src", per_class=10, splits=["train", "test"])
-    info = shard_dataset(tmp_path / "out", source="imagefolder", root=root, val_fraction=0.2,
-                         test_fraction=0.5)  # test_fraction ignored: test is given
+    info = shard_dataset(tmp_path / "out", DataConfig(source="imagefolder", root=root, val_fraction=0.2,
+                                                      test_fraction=0.5))  # test_fraction ignored: test is given
     assert info["given_splits"] == ["test", "train"]
     assert info["counts"] == {"train": 24, "val": 6, "test": 30}
     assert info["class_counts"]["val"] == [2, 2, 2]
@@ -162,7 +163,7 @@ def test_imagefolder_max_side(tmp_path):
     (root / "a" / "big.jpg").write_bytes(img_bytes(rng, "JPEG", size=(40, 30)))
     (root / "b" / "small.png").write_bytes(img_bytes(rng, "PNG", size=(8, 6)))
     out = tmp_path / "out"
-    shard_dataset(out, source="imagefolder", root=root, max_side=16, val_fraction=0, test_fraction=0)
+    shard_dataset(out, DataConfig(source="imagefolder", root=root, max_side=16, val_fraction=0, test_fraction=0))
     import io
     from PIL import Image
     with tarfile.open(out / "train-000000.tar") as tf:
@@ -177,9 +178,9 @@ def test_corrupt_files_skipped_and_reported(tmp_path):
     (root / "cat" / "truncated.jpg").write_bytes(good[: len(good) // 2])
     (root / "dog" / "garbage.png").write_bytes(b"definitely not a png")
     with pytest.raises(ValueError, match=r"max_bad_fraction=0.0.*(truncated|garbage)"):
-        shard_dataset(tmp_path / "strict", source="imagefolder", root=root)
+        shard_dataset(tmp_path / "strict", DataConfig(source="imagefolder", root=root))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
-    info = shard_dataset(tmp_path / "ok", source="imagefolder", root=root, max_bad_fraction=0.1)
+    info = shard_dataset(tmp_path / "ok", DataConfig(source="imagefolder", root=root, max_bad_fraction=0.1))
     bad = json.loads((tmp_path / "ok" / "bad_files.json").read_text())
     assert sorted(b["path"] for b in bad) == ["cat/truncated.jpg", "dog/garbage.png"]
     assert info["bad_files"] == bad and sum(info["counts"].values()) == 18
@@ -196,7 +197,7 @@ def test_bad_file_report_is_byte_identical_between_runs(tmp_path):
     """PIL names the stream it was given (``<_io.BytesIO object at 0x…>``): the report names the file."""
     root = _with_bad_images(make_imagefolder(tmp_path / "src", per_class=6))
     for out in ("a", "b"):
-        shard_dataset(tmp_path / out, source="imagefolder", root=root, max_bad_fraction=0.1)
+        shard_dataset(tmp_path / out, DataConfig(source="imagefolder", root=root, max_bad_fraction=0.1))
     for name in ("bad_files.json", "dataset.json"):
         text = (tmp_path / "a" / name).read_text()
         assert "object at 0x" not in text and text == (tmp_path / "b" / name).read_text()
@@ -260,26 +261,26 @@ def test_full_disk_is_one_line_and_keeps_the_previous_output(tmp_path, monkeypat
 
 def test_imagefolder_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        shard_dataset(tmp_path / "o", source="imagefolder", root=tmp_path / "missing")
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=tmp_path / "missing"))
     (tmp_path / "file.jpg").write_bytes(b"x")
     with pytest.raises(ValueError, match="is a file"):
-        shard_dataset(tmp_path / "o", source="imagefolder", root=tmp_path / "file.jpg")
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=tmp_path / "file.jpg"))
     root = make_imagefolder(tmp_path / "src", per_class=3)
     (root / "empty_class").mkdir()
     with pytest.raises(ValueError, match="empty_class is empty"):
-        shard_dataset(tmp_path / "o", source="imagefolder", root=root)
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root))
     (root / "empty_class").rmdir()
     with pytest.raises(ValueError, match=r"\['eel'\].*not in class_names"):
-        shard_dataset(tmp_path / "o", source="imagefolder", root=root, class_names=["cat", "dog"])
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root, class_names=["cat", "dog"]))
     with pytest.raises(ValueError, match=r"\['fox'\] have no samples"):
-        shard_dataset(tmp_path / "o", source="imagefolder", root=root,
-                      class_names=["cat", "dog", "eel", "fox"])
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root,
+                                                 class_names=["cat", "dog", "eel", "fox"]))
     assert not (tmp_path / "o").exists()
 
 
 def test_parquet_both_encodings(tmp_path):
     src = make_hf_parquet(tmp_path / "pq")
-    info = shard_dataset(tmp_path / "out", source="parquet", root=src, maxcount=10)
+    info = shard_dataset(tmp_path / "out", DataConfig(source="parquet", root=src, maxcount=10))
     assert info["classes"] == ["ant", "bee", "cow"]
     assert sum(info["counts"].values()) == 48
     loader = make_eval_loader(tmp_path / "out", "train", batch_size=64, image_size=8, rank=0,
@@ -293,8 +294,8 @@ def test_parquet_given_splits_and_class_names(tmp_path):
     src = make_hf_parquet(tmp_path / "pq")
     (src / "part-0.parquet").rename(src / "train-00000-of-00001.parquet")
     (src / "part-1.parquet").rename(src / "test-00000-of-00001.parquet")
-    info = shard_dataset(tmp_path / "out", source="parquet", root=src, val_fraction=0.25,
-                         class_names=["A", "B", "C"])
+    info = shard_dataset(tmp_path / "out", DataConfig(source="parquet", root=src, val_fraction=0.25,
+                                                      class_names=["A", "B", "C"]))
     assert info["classes"] == ["A", "B", "C"]
     assert info["counts"] == {"train": 18, "val": 6, "test": 24}
 
@@ -304,22 +305,22 @@ def test_parquet_errors(tmp_path):
     import pyarrow.parquet as pq
     src = make_hf_parquet(tmp_path / "pq")
     with pytest.raises(ValueError, match=r"label 2 is unknown; valid labels are 0..1"):
-        shard_dataset(tmp_path / "o", source="parquet", root=src, class_names=["x", "y"])
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=src, class_names=["x", "y"]))
     (src / "imgs" / "3.png").unlink()
     with pytest.raises(FileNotFoundError, match="imgs/3.png"):
-        shard_dataset(tmp_path / "o", source="parquet", root=src)
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=src))
     with pytest.raises(FileNotFoundError, match="no \\*.parquet"):
-        shard_dataset(tmp_path / "o", source="parquet", root=src / "imgs")
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=src / "imgs"))
     pq.write_table(pa.table({"img": [b"x"], "label": [0]}), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=r"no 'image' column; columns are \['img', 'label'\]"):
-        shard_dataset(tmp_path / "o", source="parquet", root=tmp_path / "bad.parquet")
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=tmp_path / "bad.parquet"))
     assert not (tmp_path / "o").exists()
 
 
 def test_cifar10_pickle(tmp_path):
     import pickle
     root = make_fake_cifar(tmp_path / "src")
-    info = shard_dataset(tmp_path / "out", source="cifar", root=root, val_fraction=0.1)
+    info = shard_dataset(tmp_path / "out", DataConfig(source="cifar", root=root, val_fraction=0.1))
     assert info["classes"] == [f"c{i}" for i in range(10)]
     assert info["counts"] == {"train": 90, "val": 10, "test": 20}
     # pixels survive exactly (PNG is lossless; CHW -> HWC handled)
@@ -338,24 +339,24 @@ def test_cifar10_pickle(tmp_path):
 
 def test_cifar100_pickle_and_errors(tmp_path):
     root = make_fake_cifar(tmp_path / "src", hundred=True, per_file=100)
-    info = shard_dataset(tmp_path / "out", source="cifar", root=root / "cifar-100-python")
+    info = shard_dataset(tmp_path / "out", DataConfig(source="cifar", root=root / "cifar-100-python"))
     assert len(info["classes"]) == 100 and info["counts"]["test"] == 100
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no CIFAR python batches"):
-        shard_dataset(tmp_path / "o", source="cifar", root=tmp_path / "empty")
+        shard_dataset(tmp_path / "o", DataConfig(source="cifar", root=tmp_path / "empty"))
     with pytest.raises(ValueError, match="is a file"):
-        shard_dataset(tmp_path / "o", source="cifar", root=root / "cifar-100-python" / "meta")
+        shard_dataset(tmp_path / "o", DataConfig(source="cifar", root=root / "cifar-100-python" / "meta"))
 
 
 def test_fractals(tmp_path):
     import time
     t0 = time.perf_counter()
-    info = shard_dataset(tmp_path / "a", source="fractals", num_classes=8, samples_per_class=50,
-                         image_size=24, maxcount=100)
+    info = shard_dataset(tmp_path / "a", DataConfig(source="fractals", num_classes=8, samples_per_class=50,
+                                                    image_size=24, maxcount=100))
     assert time.perf_counter() - t0 < 20
     assert len(info["classes"]) == 8 and sum(info["counts"].values()) == 400
-    again = shard_dataset(tmp_path / "b", source="fractals", num_classes=8, samples_per_class=50,
-                          image_size=24, maxcount=100)
+    again = shard_dataset(tmp_path / "b", DataConfig(source="fractals", num_classes=8, samples_per_class=50,
+                                                     image_size=24, maxcount=100))
     assert again["shards"] == info["shards"]  # seeded: byte-identical
     (x, y), = list(make_eval_loader(tmp_path / "a", "test", batch_size=200, image_size=24, rank=0,
                                     world_size=1, augment={"mean": [0] * 3, "std": [1] * 3}))
@@ -377,7 +378,7 @@ def cifar10_test_dir(tmp_path_factory) -> Path:
 
 def test_shared_cifar10_imagefolder(tmp_path, cifar10_test_dir):
     out = tmp_path / "c10"
-    info = shard_dataset(out, source="imagefolder", root=cifar10_test_dir, maxcount=2000)
+    info = shard_dataset(out, DataConfig(source="imagefolder", root=cifar10_test_dir, maxcount=2000))
     assert info["classes"] == ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
                                "horse", "ship", "truck"]
     assert info["counts"] == {"train": 7000, "val": 1000, "test": 2000}
@@ -413,7 +414,7 @@ def test_pixel_stats_are_the_train_split_stats(tmp_path):
     """dataset.json's pixel_stats equal mean/std over every pixel of the decoded train tars."""
     root = make_imagefolder(tmp_path / "src", per_class=9)
     out = tmp_path / "out"
-    info = shard_dataset(out, source="imagefolder", root=root, val_fraction=0.2, test_fraction=0.2, seed=1)
+    info = shard_dataset(out, DataConfig(source="imagefolder", root=root, val_fraction=0.2, test_fraction=0.2, seed=1))
     mean, std = _decoded_stats(out)
     assert info["pixel_stats"]["split"] == "train"
     np.testing.assert_allclose(info["pixel_stats"]["mean"], mean, atol=2e-6)

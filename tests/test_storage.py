@@ -13,7 +13,9 @@ import pytest
 import yaml
 
 from pipeline import storage
+from tests.faults import fault_env
 from tests.repo_copy import copy_repo_files
+from pipeline.config import DataConfig
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def local_shards(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("shards") / "pretrain"
-    shard_dataset(out, source="digits", maxcount=256)
+    shard_dataset(out, DataConfig(source="digits", maxcount=256))
     return out
 
 
@@ -116,7 +118,7 @@ def test_job_shards_to_bucket_trains_checkpoints_and_resumes(s3_server, mlflow_s
 
     # 2. Train from the bucket; the run dies in epoch 2, after epoch 1's checkpoint went to the bucket.
     marker = tmp_path / "fault-marker"
-    fail = job("pretrain", VIT_FAULT=f"raise@{steps_per_epoch + 2}:{marker}")
+    fail = job("pretrain", **fault_env(f"raise@{steps_per_epoch + 2}:{marker}"))
     assert fail.returncode != 0 and marker.exists(), fail.stdout[-3000:] + fail.stderr[-3000:]
     assert "[storage] s3://" in fail.stdout and "data/shards" in fail.stdout  # shards came from the bucket
     ckpts = [k for k in s3_server.keys("ray/") if re.search(r"ray/pretrain-\w+/checkpoint_[^/]+/state\.pt$", k)]
@@ -150,13 +152,13 @@ def _streaming_supported() -> bool:
     import inspect
 
     import pipeline.train.driver as driver
-    import pipeline.train.stages as stages
+    import pipeline.training as training
 
-    return "storage.shard_dir" in inspect.getsource(stages) and "worker_path" in inspect.getsource(driver)
+    return "storage.shard_dir" in inspect.getsource(training) and "worker_path" in inspect.getsource(driver)
 
 
 @pytest.mark.xfail(not _streaming_supported(), strict=True,
-                   reason="pipeline/train/stages.py still reads SHARDS/<name> and driver.py resolves shard_dir "
+                   reason="pipeline/training.py still reads SHARDS/<name> and driver.py resolves shard_dir "
                           "as a local path: add the pipeline.storage call sites (VIT_SHARDS_URL)")
 def test_stage_streams_shards_from_bucket(s3_server, mlflow_server, env_factory, local_shards, tmp_path):
     """With VIT_SHARDS_URL the stage and its Ray workers read the tars from the bucket: no local copy."""

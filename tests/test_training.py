@@ -7,22 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from pipeline.train.context import STATE_FILE, checkpoint_name, latest_checkpoint, list_checkpoints
 from pipeline.train.optim import accumulation, param_groups
-from tests.test_pipeline import make_repo, run
+from tests.faults import inject_fault
+from tests.repo_copy import make_repo, pretrain_runs, run, set_params, short_run
 
 pytestmark = pytest.mark.slow
 STEPS_PER_EPOCH = 1257 // 64  # digits train split / global batch
-
-
-def short_run(raw: dict) -> dict:
-    raw["data"]["pretrain"]["source"] = "digits"  # STEPS_PER_EPOCH below
-    raw["model"].update(depth=2)
-    raw["pretrain"].update(epochs=2, warmup_epochs=0, checkpoint_every_steps=5, log_every_steps=5)
-    raw["ray"].update(max_failures=0)
-    return raw
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +23,6 @@ def repo(tmp_path_factory):
     proc = run(["python", "-m", "stages.shard", "pretrain"], repo)
     assert proc.returncode == 0, proc.stderr
     return repo
-
-
-def set_params(repo, **updates):
-    raw = yaml.safe_load((repo / "params.yaml").read_text())
-    for dotted, value in updates.items():
-        section, key = dotted.split(".")
-        raw[section][key] = value
-    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-
-
-def pretrain_runs(repo):
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
-    exp = client.get_experiment_by_name("vit-pipeline")
-    return client, client.search_runs([exp.experiment_id], "tags.stage = 'pretrain'")
 
 
 def final_state(repo):
@@ -58,7 +34,7 @@ def final_state(repo):
 
 def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, tmp_path, monkeypatch):
     # 1. A run that dies at step 12 with no retries left: the stage fails, MLflow marks the run FAILED.
-    monkeypatch.setenv("VIT_FAULT", f"raise@12:{tmp_path / 'fault-a'}")
+    inject_fault(monkeypatch, f"raise@12:{tmp_path / 'fault-a'}")
     proc = run(["python", "-m", "stages.pretrain"], repo)
     assert proc.returncode != 0 and (tmp_path / "fault-a").exists()
     client, runs = pretrain_runs(repo)
@@ -86,7 +62,7 @@ def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, t
     # 3. Changed params → a new Ray run and a new MLflow run; a worker process is SIGKILLed mid-epoch
     #    and Ray Train restarts the worker group from the last checkpoint (max_failures=1).
     set_params(repo, **{"pretrain.lr": 0.0015, "ray.max_failures": 1})
-    monkeypatch.setenv("VIT_FAULT", f"kill@7:{tmp_path / 'fault-b'}")
+    inject_fault(monkeypatch, f"kill@7:{tmp_path / 'fault-b'}")
     proc = run(["python", "-m", "stages.pretrain"], repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "fault-b").exists()
@@ -244,7 +220,7 @@ def test_local_runner_and_one_ray_worker_agree_and_resume_each_other(tmp_path_fa
 
         repo = make_repo(tmp_path_factory.mktemp(f"{first}-then-{then}"), edit=edit)
         assert run(["python", "-m", "stages.shard", "pretrain"], repo).returncode == 0
-        monkeypatch.setenv("VIT_FAULT", f"raise@7:{tmp_path / first}")
+        inject_fault(monkeypatch, f"raise@7:{tmp_path / first}")
         proc = run(["python", "-m", "stages.pretrain"], repo)
         assert proc.returncode != 0 and (tmp_path / first).exists(), proc.stdout[-2000:]
         set_params(repo, **{"ray.backend": then})

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .sources import check_labels, resolve_classes
-from .splits import SPLITS, Plan, Record, carve_splits, split_of_index
+from .records import check_labels, resolve_classes
+from .splits import SPLITS, SourceListing, Record, carve_splits, split_of_index
 
 LAYOUTS = {
     "cifar-10-batches-py": dict(train=[f"data_batch_{i}" for i in range(1, 6)], test=["test_batch"],
@@ -41,7 +41,7 @@ def find_layout(root: Path) -> tuple[Path, dict]:
     raise FileNotFoundError(f"{root} holds no CIFAR python batches; expected {EXPECTED}")
 
 
-def cifar_plan(*, root, seed, val_fraction, test_fraction, class_names, **_) -> Plan:
+def cifar_listing(*, root, seed, val_fraction, test_fraction, class_names, **_) -> SourceListing:
     """Given train/test splits; val is carved from train."""
     if root is None:
         raise ValueError(f"source 'cifar' needs root: a directory with {EXPECTED}")
@@ -73,4 +73,4 @@ def cifar_plan(*, root, seed, val_fraction, test_fraction, class_names, **_) -> 
                              lambda img=img: img)
                 i += 1
 
-    return Plan(classes, int(labels.size), records(), ["test", "train"])
+    return SourceListing(classes, int(labels.size), records(), ["test", "train"])

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .sources import check_labels, records_from_splits
-from .splits import Plan, carve_splits
+from .records import SPLIT_DIRS, check_labels, records_from_splits
+from .splits import SourceListing, carve_splits
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
-SPLIT_DIRS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
 LAYOUT = "root/<class>/<image> or root/{train,val,test}/<class>/<image>"
 
 
@@ -49,7 +48,7 @@ def list_imagefolder(root: Path) -> dict[str, dict[str, list[str]]]:
     return {"": {c: _images_under(root / c) for c in top}}
 
 
-def imagefolder_plan(*, root, seed, val_fraction, test_fraction, class_names, **_) -> Plan:
+def imagefolder_listing(*, root, seed, val_fraction, test_fraction, class_names, **_) -> SourceListing:
     """List files and labels, carve missing splits, and stream the files' bytes lazily."""
     if root is None:
         raise ValueError(f"source 'imagefolder' needs root: a directory laid out as {LAYOUT}")
@@ -84,4 +83,4 @@ def imagefolder_plan(*, root, seed, val_fraction, test_fraction, class_names, **
     records = records_from_splits(
         splits, labels, lambda i: Path(paths[i]).relative_to(root).as_posix(),
         lambda i: (lambda: Path(paths[i]).read_bytes()))
-    return Plan(classes, int(labels.size), records, sorted(given))
+    return SourceListing(classes, int(labels.size), records, sorted(given))

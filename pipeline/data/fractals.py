@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sources import resolve_classes
-from .splits import SPLITS, Plan, Record, carve_splits
+from .records import resolve_classes
+from .splits import SPLITS, SourceListing, Record, carve_splits
 
 BURN_IN, STEPS = 6, 30
 FILL_RANGE = (0.08, 0.6)
@@ -107,8 +107,8 @@ def _records(splits, labels, systems, seed, samples_per_class, size, chunk=64):
                          lambda img=img: img)
 
 
-def fractals_plan(*, seed, val_fraction, test_fraction, class_names, num_classes, samples_per_class,
-                  image_size, **_) -> Plan:
+def fractals_listing(*, seed, val_fraction, test_fraction, class_names, num_classes, samples_per_class,
+                  image_size, **_) -> SourceListing:
     """``num_classes`` systems x ``samples_per_class`` instances, rendered lazily by the writer."""
     if num_classes < 1 or samples_per_class < 1 or image_size < 8:
         raise ValueError(f"fractals needs num_classes >= 1 (got {num_classes}), samples_per_class >= 1 "
@@ -118,4 +118,4 @@ def fractals_plan(*, seed, val_fraction, test_fraction, class_names, num_classes
     labels = np.repeat(np.arange(num_classes, dtype=np.int64), samples_per_class)
     splits = carve_splits(labels, seed, val_fraction, test_fraction)
     records = _records(splits, labels, systems, seed, samples_per_class, image_size)
-    return Plan(classes, int(labels.size), records, [])
+    return SourceListing(classes, int(labels.size), records, [])

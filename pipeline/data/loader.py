@@ -57,7 +57,7 @@ def read_dataset_info(shard_dir) -> dict:
         return json.load(f)
 
 
-def split_plan(shards: list, rank: int, world_size: int, worker: int, num_workers: int):
+def eval_reader_shards(shards: list, rank: int, world_size: int, worker: int, num_workers: int):
     """Shards one eval reader opens, plus ``(slot, n_slots)`` for a key-index modulo filter (or None)."""
     if len(shards) >= world_size:
         mine = shards[rank::world_size]
@@ -77,7 +77,7 @@ class _ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        mine, modulo = split_plan(self.urls, self.rank, self.world_size, worker, num_workers)
+        mine, modulo = eval_reader_shards(self.urls, self.rank, self.world_size, worker, num_workers)
         for sample in tarfile_samples([{"url": u} for u in mine]):
             if modulo is None or key_index(sample["__key__"]) % modulo[1] == modulo[0]:
                 yield sample
@@ -123,7 +123,7 @@ class _Loader:
 
 
 def _rank_samples(shards: list[dict], rank: int, world_size: int) -> int:
-    """Samples an eval rank gets under :func:`split_plan` (keys are 0..N-1 within a split)."""
+    """Samples an eval rank gets under :func:`eval_reader_shards` (keys are 0..N-1 within a split)."""
     if len(shards) >= world_size:
         return sum(s["count"] for s in shards[rank::world_size])
     return len(range(rank, sum(s["count"] for s in shards), world_size))

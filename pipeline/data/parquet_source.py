@@ -13,9 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .folder import SPLIT_DIRS
-from .sources import check_labels
-from .splits import SPLITS, Plan, Record, carve_splits, split_of_index
+from .records import SPLIT_DIRS, check_labels
+from .splits import SPLITS, SourceListing, Record, carve_splits, split_of_index
 
 BATCH_ROWS = 256
 
@@ -82,7 +81,7 @@ def _loader(value, path: Path, row: int):
     return (lambda: value), f"{path.name}#{row}"
 
 
-def parquet_plan(*, root, seed, val_fraction, test_fraction, class_names, **_) -> Plan:
+def parquet_listing(*, root, seed, val_fraction, test_fraction, class_names, **_) -> SourceListing:
     """Labels first (cheap), then a lazy stream of rows routed to their split."""
     if root is None:
         raise ValueError("source 'parquet' needs root: a .parquet file or a directory of them")
@@ -131,4 +130,4 @@ def parquet_plan(*, root, seed, val_fraction, test_fraction, class_names, **_) -
                         yield Record(SPLITS[split_of[i]], int(lab), src, load)
                     i, row = i + 1, row + 1
 
-    return Plan(classes, int(labels.size), records(), sorted(given))
+    return SourceListing(classes, int(labels.size), records(), sorted(given))

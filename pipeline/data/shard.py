@@ -5,6 +5,7 @@ params. Everything is written into a temp dir beside ``out_dir`` and renamed int
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import io
@@ -17,7 +18,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -25,10 +26,11 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from PIL import Image
 
+from pipeline.config import DataConfig
 from pipeline.utils import apply_umask
 
-from .sources import SOURCES, build_plan
-from .splits import SPLITS, Record, check_fraction, check_fractions
+from .sources import SOURCES, list_source
+from .splits import SPLITS, Record, SourceListing, check_fraction, check_fractions
 
 FORMAT_VERSION = 1
 KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}  # kept byte-for-byte; anything else becomes PNG
@@ -180,12 +182,12 @@ def _aborting(writers: dict[str, _SplitWriter]):
         raise
 
 
-def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction) -> dict[str, Any]:
+def _write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side, max_bad_fraction) -> dict[str, Any]:
     """Stream records into per-split shards; memory is bounded by one chunk plus open shards."""
     writers = {s: _SplitWriter(tmp, s, maxcount, maxsize) for s in SPLITS}
-    class_counts = {s: [0] * len(plan.classes) for s in SPLITS}
+    class_counts = {s: [0] * len(listing.classes) for s in SPLITS}
     bad: list[dict] = []
-    allowed_bad = int(max_bad_fraction * plan.total)
+    allowed_bad = int(max_bad_fraction * listing.total)
     rows: dict[str, list] = {name: [] for name in MANIFEST_SCHEMA.names}
 
     hist = np.zeros((3, 256), dtype=np.int64)
@@ -198,13 +200,13 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
 
     with _aborting(writers), pq.ParquetWriter(tmp / "manifest.parquet", MANIFEST_SCHEMA) as manifest, \
             ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 2)) as pool:
-        for chunk in _chunks(plan.records, 256):
+        for chunk in _chunks(listing.records, 256):
             for rec, (out, err) in zip(chunk, pool.map(run, chunk)):
                 if err is not None:
                     bad.append({"path": rec.source_path, "split": rec.split, "error": err})
                     if len(bad) > allowed_bad:
                         raise ValueError(
-                            f"{len(bad)} undecodable image(s) out of {plan.total} exceeds "
+                            f"{len(bad)} undecodable image(s) out of {listing.total} exceeds "
                             f"max_bad_fraction={max_bad_fraction}; first: {bad[0]['path']} ({bad[0]['error']})")
                     continue
                 ext, data, img_hist = out
@@ -222,7 +224,7 @@ def _write_all(tmp: Path, plan, *, maxcount, maxsize, max_side, max_bad_fraction
     with _aborting(writers):
         shards = {s: writers[s].close() for s in SPLITS}
     totals = np.sum([class_counts[s] for s in SPLITS], axis=0)
-    empty = [plan.classes[i] for i in np.flatnonzero(totals == 0)]
+    empty = [listing.classes[i] for i in np.flatnonzero(totals == 0)]
     if empty:
         raise ValueError(f"class(es) {empty} ended up with no decodable images")
     if not shards["train"]:
@@ -280,47 +282,45 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def shard_dataset(out_dir, *, source: str = "digits", root=None, seed: int = 0,
-                  val_fraction: float = 0.1, test_fraction: float = 0.2, maxcount: int = 1000,
-                  maxsize: int = 64_000_000, max_side: Optional[int] = None,
-                  max_bad_fraction: float = 0.0, class_names: Optional[Sequence[str]] = None,
-                  num_classes: int = 10, samples_per_class: int = 500, image_size: int = 32) -> dict:
-    """Write ``source`` as train/val/test webdataset shards in ``out_dir``; return dataset.json's content."""
-    params = dict(source=source, root=None if root is None else str(root), seed=seed,
-                  val_fraction=val_fraction, test_fraction=test_fraction, maxcount=maxcount,
-                  maxsize=maxsize, max_side=max_side, max_bad_fraction=max_bad_fraction,
-                  class_names=None if class_names is None else list(class_names),
-                  num_classes=num_classes, samples_per_class=samples_per_class, image_size=image_size)
-    if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}; valid: {list(SOURCES)}")
-    check_fractions(val_fraction, test_fraction)
-    if maxcount < 1 or maxsize < 1:
-        raise ValueError(f"maxcount ({maxcount}) and maxsize ({maxsize}) must be >= 1")
-    check_fraction("max_bad_fraction", max_bad_fraction)
-    if max_side is not None and max_side < 1:
-        raise ValueError(f"max_side={max_side!r}: must be null or >= 1")
+def shard_dataset(out_dir, spec: DataConfig) -> dict:
+    """Write ``spec.source`` as train/val/test webdataset shards in ``out_dir``; return dataset.json's content.
+
+    ``spec`` is one ``data.<name>`` section of params.yaml; its fields are recorded in dataset.json.
+    """
+    params = dataclasses.asdict(spec)
+    params.update(root=None if spec.root is None else str(spec.root),
+                  class_names=None if spec.class_names is None else list(spec.class_names))
+    if spec.source not in SOURCES:
+        raise ValueError(f"unknown source {spec.source!r}; valid: {list(SOURCES)}")
+    check_fractions(spec.val_fraction, spec.test_fraction)
+    if spec.maxcount < 1 or spec.maxsize < 1:
+        raise ValueError(f"maxcount ({spec.maxcount}) and maxsize ({spec.maxsize}) must be >= 1")
+    check_fraction("max_bad_fraction", spec.max_bad_fraction)
+    if spec.max_side is not None and spec.max_side < 1:
+        raise ValueError(f"max_side={spec.max_side!r}: must be null or >= 1")
     out = Path(out_dir)
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         apply_umask(tmp)
-        plan = build_plan(source, root=root, seed=seed, val_fraction=val_fraction,
-                          test_fraction=test_fraction, class_names=class_names, num_classes=num_classes,
-                          samples_per_class=samples_per_class, image_size=image_size)
-        written = _write_all(tmp, plan, maxcount=maxcount, maxsize=maxsize, max_side=max_side,
-                             max_bad_fraction=max_bad_fraction)
+        listing = list_source(spec.source, root=spec.root, seed=spec.seed, val_fraction=spec.val_fraction,
+                          test_fraction=spec.test_fraction, class_names=spec.class_names,
+                          num_classes=spec.num_classes, samples_per_class=spec.samples_per_class,
+                          image_size=spec.image_size)
+        written = _write_all(tmp, listing, maxcount=spec.maxcount, maxsize=spec.maxsize, max_side=spec.max_side,
+                             max_bad_fraction=spec.max_bad_fraction)
         shards = written["shards"]
         info = {
             "format_version": FORMAT_VERSION,
-            "source": source,
-            "classes": plan.classes,
-            "num_classes": len(plan.classes),
+            "source": spec.source,
+            "classes": listing.classes,
+            "num_classes": len(listing.classes),
             "counts": {s: sum(sh["count"] for sh in shards[s]) for s in SPLITS},
             "class_counts": written["class_counts"],
             "pixel_stats": written["pixel_stats"],
             "shards": shards,
-            "given_splits": plan.given_splits,
+            "given_splits": listing.given_splits,
             "key_format": "{split}_{index:07d}",
             "bad_files": written["bad_files"],
             "params": params,

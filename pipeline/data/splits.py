@@ -25,7 +25,7 @@ class Record:
 
 
 @dataclass
-class Plan:
+class SourceListing:
     """What a source will write: class names, record count and a lazy record stream."""
 
     classes: list[str]

@@ -1,6 +1,6 @@
 """Vision Transformer model package: config, model, builders, resampling, conversion, I/O."""
 from .attention import attention_maps
-from .build import build_vit, make_config
+from .build import build_model, build_vit, make_config
 from .config import PRESETS, ViTConfig
 from .convert import convert_state_dict
 from .io import load_model, save_model
@@ -11,6 +11,7 @@ __all__ = [
     "ViTConfig",
     "VisionTransformer",
     "PRESETS",
+    "build_model",
     "build_vit",
     "make_config",
     "resample_pos_embed",

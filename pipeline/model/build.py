@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from .config import PRESETS, ViTConfig
 from .vit import VisionTransformer
 
-__all__ = ["build_vit", "make_config"]
+if TYPE_CHECKING:  # the params section; the model package itself does not depend on pipeline.config
+    from pipeline.config import ModelConfig
+
+__all__ = ["build_model", "build_vit", "make_config"]
 
 
 def make_config(
@@ -36,24 +40,21 @@ def make_config(
     return ViTConfig(**fields)
 
 
-def build_vit(
-    preset: str,
-    *,
-    patch_size,
-    image_size,
-    num_classes: int,
-    pool: str = "cls",
-    dynamic_img_size: bool = False,
-    drop_path_rate: float = 0.0,
-    **overrides,
-) -> VisionTransformer:
-    """``build_vit("tiny", patch_size=16, image_size=224, num_classes=1000)``.
+def build_vit(preset: str, **kwargs) -> VisionTransformer:
+    """``build_vit("tiny", patch_size=16, image_size=224, num_classes=1000)``: a model from
+    :func:`make_config`'s arguments (see there).
 
     Raises ValueError for an unknown preset or override, listing the valid names.
     """
-    return VisionTransformer(
-        make_config(
-            preset, patch_size=patch_size, image_size=image_size, num_classes=num_classes, pool=pool,
-            dynamic_img_size=dynamic_img_size, drop_path_rate=drop_path_rate, **overrides,
-        )
-    )
+    return VisionTransformer(make_config(preset, **kwargs))
+
+
+def build_model(model: "ModelConfig", *, image_size, num_classes: int, patch_size=None) -> VisionTransformer:
+    """params.yaml's ``model`` section at one geometry (``patch_size``: ``model.patch_size`` if None).
+
+    The one place the stages and the benchmarks turn the section into a network, so a new
+    ``model.*`` key is wired once.
+    """
+    return build_vit(model.preset, patch_size=patch_size or model.patch_size, image_size=image_size,
+                     num_classes=num_classes, pool=model.pool, drop_path_rate=model.drop_path_rate,
+                     **model.overrides())

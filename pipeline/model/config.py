@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-__all__ = ["ViTConfig", "PRESETS"]
+__all__ = ["ViTConfig", "PRESETS", "check_divisible", "check_heads"]
 
 POOLS = ("cls", "mean")
 
@@ -40,6 +40,25 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
     if h <= 0 or w <= 0:
         raise ValueError(f"{name} must be positive, got {tuple(value)!r}")
     return int(h), int(w)
+
+
+def check_divisible(size: int, patch: int, size_name: str = "image_size", patch_name: str = "patch_size") -> None:
+    """The patch grid must tile the image; the message names the nearest sizes that would.
+
+    Shared with ``pipeline.config.validate``, which passes the params.yaml keys as the names.
+    """
+    if size % patch:
+        lo, hi = size // patch * patch, (size // patch + 1) * patch
+        valid = f"{lo} or {hi}" if lo else str(hi)
+        raise ValueError(f"{size_name}: {size} is not divisible by {patch_name}={patch} (nearest valid sizes: {valid})")
+
+
+def check_heads(embed_dim: int, num_heads: int, heads_name: str = "num_heads", width_name: str = "embed_dim") -> None:
+    """Attention heads must split the width evenly; the message lists the head counts that do."""
+    if embed_dim % num_heads:
+        valid = [h for h in range(1, embed_dim + 1) if embed_dim % h == 0]
+        raise ValueError(f"{heads_name}: {num_heads} does not divide {width_name}={embed_dim} "
+                         f"(valid head counts: {', '.join(map(str, valid))})")
 
 
 @dataclass
@@ -76,17 +95,9 @@ class ViTConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if not _is_int(self.num_classes) or self.num_classes < 0:
             raise ValueError(f"num_classes must be an int >= 0 (0 = no head), got {self.num_classes!r}")
-        for dim, (img, patch) in zip("hw", zip(self.image_size, self.patch_size)):
-            if img % patch:
-                raise ValueError(
-                    f"image_size {self.image_size} is not divisible by patch_size {self.patch_size} "
-                    f"({dim}: {img} % {patch} = {img % patch}); pick sizes where every dim divides evenly"
-                )
-        if self.embed_dim % self.num_heads:
-            raise ValueError(
-                f"embed_dim={self.embed_dim} must be divisible by num_heads={self.num_heads} "
-                f"(valid num_heads: {[h for h in range(1, self.embed_dim + 1) if self.embed_dim % h == 0][:12]}...)"
-            )
+        for i, (img, patch) in enumerate(zip(self.image_size, self.patch_size)):
+            check_divisible(img, patch, f"image_size[{i}]", f"patch_size[{i}]")
+        check_heads(self.embed_dim, self.num_heads)
         if self.pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
         if not (isinstance(self.mlp_ratio, (int, float)) and self.mlp_ratio > 0):

@@ -1,4 +1,4 @@
-"""Driver side of a training stage: plan the run, then run it with Ray Train's ``TorchTrainer`` or
+"""Driver side of a training stage: prepare the run, then run it with Ray Train's ``TorchTrainer`` or
 in this process (``ray.backend: local``).
 
 The Ray run name is a hash of everything that defines the run (stage params, model config, data,
@@ -30,7 +30,10 @@ from pipeline.utils import atomic_write_text
 
 
 @dataclass
-class TrainPlan:
+class RunSpec:
+    """One training run as :func:`prepare_run` defines it: the Ray run name (a hash of everything that
+    defines the run), the ranks' loop config and the initial weights."""
+
     stage: str
     run_name: str
     loop: LoopConfig
@@ -74,8 +77,8 @@ def check_batch_fits(stage: str, global_batch: int, train_images: int, shard_dir
                           f"({train_images} images in {shard_dir}); valid: 1..{train_images}")
 
 
-def plan_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
-                  shard_dir: str) -> TrainPlan:
+def prepare_run(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
+                shard_dir: str) -> RunSpec:
     """Everything the ranks need, and the run name that identifies this exact run."""
     info = read_dataset_info(shard_dir)
     world = world_size(params.ray)
@@ -92,64 +95,62 @@ def plan_training(stage: str, params: Params, cfg: TrainConfig, model: VisionTra
     identity = {**loop.identity(), "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
                 "init": _state_digest(state)}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
-    return TrainPlan(stage=stage, run_name=f"{stage}-{digest[:12]}", loop=loop, init_state=state)
+    return RunSpec(stage=stage, run_name=f"{stage}-{digest[:12]}", loop=loop, init_state=state)
 
 
-def _fault_from_env() -> dict | None:
-    """``VIT_FAULT=kill@12:/tmp/marker`` (or ``raise@…``): fail once at step 12 (tests only)."""
-    spec = os.environ.get("VIT_FAULT")
-    if not spec:
-        return None
-    mode, rest = spec.split("@", 1)
-    step, marker = rest.split(":", 1)
-    return {"mode": mode, "step": int(step), "marker": marker}
+def step_hooks_from_env() -> tuple[str, ...]:
+    """``$VIT_STEP_HOOKS``: comma-separated ``module:function[=argument]`` names that every rank calls
+    before each optimizer step (see :func:`pipeline.train.worker.load_step_hooks`). A seam for
+    debugging and for the fault-tolerance tests (``tests/faults.py``); unset in normal runs."""
+    return tuple(s.strip() for s in os.environ.get("VIT_STEP_HOOKS", "").split(",") if s.strip())
 
 
-def fit(plan: TrainPlan, params: Params, model: VisionTransformer, *, run_id: str | None = None) -> TrainResult:
+def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str | None = None) -> TrainResult:
     """Run (or continue) the planned run on the configured backend; load its final weights into ``model``."""
     from pipeline.tracking import resolve_tracking_uri
 
     storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
-    run_dir = None if storage_fs is not None or storage.is_url(storage_path) else str(Path(storage_path) / plan.run_name)
-    run = LoopRun(init_state=plan.init_state, run_id=run_id, tracking_uri=resolve_tracking_uri(params.tracking_uri),
-                  resume_from=latest_checkpoint(run_dir) if run_dir else None, fault=_fault_from_env())
-    loop, world = plan.loop, world_size(params.ray)
-    print(f"[{plan.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
+    run_dir = None if storage_fs is not None or storage.is_url(storage_path) else str(Path(storage_path) / spec.run_name)
+    run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=resolve_tracking_uri(params.tracking_uri),
+                  resume_from=latest_checkpoint(run_dir) if run_dir else None,
+                  step_hooks=step_hooks_from_env())
+    loop, world = spec.loop, world_size(params.ray)
+    print(f"[{spec.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
           f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "
           f"{loop.steps_per_epoch} steps/epoch x {loop.epochs} epochs, {loop.loader_workers} loader worker(s) "
-          f"per rank, run {plan.run_name}", flush=True)
+          f"per rank, run {spec.run_name}", flush=True)
     if params.ray.backend == "local":
         if run_dir is None:
             raise ValueError(f"ray.backend: local writes checkpoints to a local ray.storage_path, "
                              f"got {params.ray.storage_path!r}")
-        final, checkpoint = _fit_local(plan, run, params, run_dir)
+        final, checkpoint = _fit_local(spec, run, params, run_dir)
     else:
-        final, checkpoint = _fit_ray(plan, run, params, storage_path, storage_fs)
+        final, checkpoint = _fit_ray(spec, run, params, storage_path, storage_fs)
     if run_dir:
         prune_checkpoints(run_dir, params.ray.checkpoints_to_keep)
     selection = Selection()
     selection.load_state_dict(final["selection"])
     model.load_state_dict(selection.weights)  # the raw or EMA weights that keep: last|best chose
     selection.weights = None
-    return TrainResult(model=model, history=final["history"], run_name=plan.run_name,
+    return TrainResult(model=model, history=final["history"], run_name=spec.run_name,
                        checkpoint_path=str(checkpoint), selection=selection)
 
 
-def _fit_local(plan: TrainPlan, run: LoopRun, params: Params, run_dir: str) -> tuple[dict, str]:
+def _fit_local(spec: RunSpec, run: LoopRun, params: Params, run_dir: str) -> tuple[dict, str]:
     """The final checkpoint's state and where it is."""
     from pipeline.train.context import LocalContext
     from pipeline.train.worker import run_loop
 
     ctx = LocalContext(run_dir, use_gpu=params.ray.use_gpu, keep=params.ray.checkpoints_to_keep,
                        resume_from=run.resume_from)
-    run_loop(plan.loop, run, ctx)
+    run_loop(spec.loop, run, ctx)
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
-        raise RuntimeError(f"[{plan.stage}] run {plan.run_name} finished without a checkpoint in {run_dir}")
+        raise RuntimeError(f"[{spec.stage}] run {spec.run_name} finished without a checkpoint in {run_dir}")
     return load_state(checkpoint), checkpoint
 
 
-def _fit_ray(plan: TrainPlan, run: LoopRun, params: Params, storage_path: str, storage_fs) -> tuple[dict, str]:
+def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str, storage_fs) -> tuple[dict, str]:
     """The final checkpoint's state and where it is."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
@@ -161,18 +162,18 @@ def _fit_ray(plan: TrainPlan, run: LoopRun, params: Params, storage_path: str, s
     init_ray(params.ray)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": plan.loop, "run": dataclasses.replace(run, init_state=ray.put(run.init_state))},
+        train_loop_config={"cfg": spec.loop, "run": dataclasses.replace(run, init_state=ray.put(run.init_state))},
         scaling_config=ScalingConfig(num_workers=params.ray.num_workers, use_gpu=params.ray.use_gpu,
                                      resources_per_worker=worker_resources(params.ray)),
         run_config=RunConfig(
-            name=plan.run_name, storage_path=storage_path, storage_filesystem=storage_fs,
+            name=spec.run_name, storage_path=storage_path, storage_filesystem=storage_fs,
             checkpoint_config=CheckpointConfig(num_to_keep=params.ray.checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=params.ray.max_failures),
             logging_config=LoggingConfig(log_level="INFO" if params.ray.verbose else "WARNING")),
     )
     result = trainer.fit()
     if result.checkpoint is None:
-        raise RuntimeError(f"[{plan.stage}] Ray run {plan.run_name} finished without a checkpoint")
+        raise RuntimeError(f"[{spec.stage}] Ray run {spec.run_name} finished without a checkpoint")
     with result.checkpoint.as_directory() as d:  # a temporary local copy when the storage is remote
         return load_state(d), str(result.checkpoint.path)
 

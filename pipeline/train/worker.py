@@ -8,13 +8,13 @@ only talks to a :class:`~pipeline.train.context.TrainContext`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import logging
-import os
 import random
-import signal
 import time
 from itertools import islice
-from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
 from pipeline.train.context import TrainContext
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.optim import accumulation, build_optimizer
-from pipeline.train.recipe import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
+from pipeline.train.techniques import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
 from pipeline.train.selection import Selection
 
 
@@ -120,15 +120,30 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def _maybe_fail(fault: dict | None, step: int, ctx: TrainContext) -> None:
-    """Failure injection for the fault-tolerance tests: once per marker file, on the last rank."""
-    if not fault or step != fault["step"] or ctx.rank != ctx.world_size - 1 or Path(fault["marker"]).exists():
-        return
-    Path(fault["marker"]).write_text(f"failed at step {step}\n")
-    time.sleep(5)  # let Ray Train's controller collect the last report (it polls every 2 s)
-    if fault.get("mode") == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"injected failure at step {step}")
+StepHook = Callable[[int, TrainContext], None]
+
+
+def load_step_hooks(names: Sequence[str]) -> list[StepHook]:
+    """``"module:function[=argument]"`` -> ``hook(step, ctx)``, which calls ``function(step, ctx, argument)``
+    (``argument`` "" when absent) on every rank before each optimizer step (``step``: steps done so far).
+
+    Imported here, in the rank's own process, so a hook works on Ray workers as in-process.
+    """
+    hooks = []
+    for name in names:
+        target, _, argument = name.partition("=")
+        module, _, function = target.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ValueError(f"step hook {name!r}: cannot import {target!r} (want module:function[=argument]): "
+                             f"{exc}") from None
+        hooks.append(functools.partial(_call_hook, fn, argument))
+    return hooks
+
+
+def _call_hook(fn, argument: str, step: int, ctx: TrainContext) -> None:
+    fn(step, ctx, argument)
 
 
 def _seed(seed: int) -> None:
@@ -159,6 +174,7 @@ def train_loop_per_worker(args: dict) -> None:
 
 
 def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
+    hooks = load_step_hooks(run.step_hooks)  # first: a wrong name fails before any work
     if not cfg.verbose:
         logging.getLogger().setLevel(logging.WARNING)  # Ray Train's per-report INFO lines
     _seed(cfg.seed * 1000 + ctx.rank)
@@ -187,7 +203,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
 
     for epoch in range(progress.epoch, cfg.epochs):
         t0 = time.time()
-        totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, run.fault, checkpoint)
+        totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, hooks, checkpoint)
         metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0)
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
             metrics.update(_evaluate(cfg, ctx, stepper, val_loader))
@@ -213,7 +229,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
 
 
 def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress, epoch: int,
-                 logger, fault: dict | None, checkpoint) -> list:
+                 logger, hooks: list[StepHook], checkpoint) -> list:
     """The rest of ``epoch``'s steps; returns [loss sum, correct, samples] summed over all ranks."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
@@ -221,7 +237,8 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
     stepper.model.train()
     for b, (images, labels) in enumerate(islice(batches, cfg.steps_per_epoch - progress.batch_in_epoch),
                                          start=progress.batch_in_epoch):
-        _maybe_fail(fault, progress.step, ctx)
+        for hook in hooks:
+            hook(progress.step, ctx)
         step_loss, step_correct = stepper(images, labels)
         loss_sum += step_loss
         correct += step_correct

@@ -1,4 +1,5 @@
-"""Pieces of the training recipe that wrap the plain loop: batch mixing, EMA, mixed precision."""
+"""Training techniques that wrap the plain loop: batch mixing (MixUp / CutMix), soft cross-entropy, EMA of
+the weights, mixed precision. (Named apart from ``pipeline/recipes.py``, which expands recipe files.)"""
 from __future__ import annotations
 
 import contextlib

@@ -1,0 +1,48 @@
+"""Helpers every source uses to turn its listing into labelled, split-assigned records.
+
+They sit below the sources (and below ``sources.py``, which dispatches to them), so no source imports
+back from the module that imports it.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .splits import SPLITS, Record
+
+# Directory names a source may give its splits in, and the split each stands for.
+SPLIT_DIRS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
+
+
+def resolve_classes(class_names: Optional[Sequence[str]], default: Sequence[str], where: str) -> list[str]:
+    """``class_names`` overrides the source's names but must match their number."""
+    if class_names is None:
+        return [str(c) for c in default]
+    names = [str(c) for c in class_names]
+    if len(names) != len(default):
+        raise ValueError(f"class_names has {len(names)} names but {where} has {len(default)} classes")
+    if len(set(names)) != len(names):
+        raise ValueError(f"class_names contains duplicates: {names}")
+    return names
+
+
+def check_labels(labels: np.ndarray, classes: Sequence[str], where: str) -> None:
+    """Every label must name a class and every class must have at least one sample."""
+    labels = np.asarray(labels)
+    bad = labels[(labels < 0) | (labels >= len(classes))]
+    if bad.size:
+        raise ValueError(f"{where}: label {int(bad[0])} is unknown; valid labels are 0..{len(classes) - 1} "
+                         f"({len(classes)} classes)")
+    counts = np.bincount(labels.astype(np.int64), minlength=len(classes))
+    empty = [classes[i] for i in np.flatnonzero(counts == 0)]
+    if empty:
+        raise ValueError(f"{where}: class(es) {empty} have no samples; every class needs at least one")
+
+
+def records_from_splits(splits: dict[str, np.ndarray], labels: np.ndarray, path_of, load_of):
+    """Lazy record stream in split order then shuffled index order."""
+    for split in SPLITS:
+        for i in splits[split]:
+            i = int(i)
+            yield Record(split, int(labels[i]), path_of(i), load_of(i))

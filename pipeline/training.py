@@ -1,0 +1,144 @@
+"""The pretrain and finetune stages: params in, model directory + metrics + curves out.
+
+Beside ``evaluate.py`` and ``export.py``; the machinery they drive is in ``pipeline/train/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import mlflow
+import torch
+
+from pipeline.config import Params, TrainConfig
+from pipeline.data import read_dataset_info
+from pipeline.data.transforms import resolve_augment, with_dataset_stats
+from pipeline.model import VisionTransformer, build_model, convert_state_dict, load_model, save_model
+from pipeline.outputs import staged_outputs
+from pipeline.plots import plot_history
+from pipeline import storage
+from pipeline.tracking import stage_run
+from pipeline.cluster import world_size
+from pipeline.train.driver import TrainResult, fit, prepare_run, write_history
+from pipeline.train.selection import summary as selection_summary
+from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
+
+
+def _extra_params(params: Params, cfg: TrainConfig, model: VisionTransformer, info: dict) -> dict:
+    c = model.config
+    return {"model_size": params.model.preset, "patch_size": c.patch_size[0], "image_size": cfg.image_size,
+            "num_params": sum(p.numel() for p in model.parameters()), "world_size": world_size(params.ray),
+            "global_batch_size": cfg.global_batch_size, "dataset": info.get("source"),
+            "num_classes": len(info["classes"])}
+
+
+def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
+                    shard_dir: str | Path, info: dict, extra: dict) -> dict:
+    cfg = dataclasses.replace(cfg, augment=with_dataset_stats(cfg.augment, info))  # "dataset" -> numbers
+    tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")), "dataset.source": info["source"]}
+    spec = prepare_run(stage, params, cfg, model, str(shard_dir))
+    model_dir, metrics_file = MODELS / stage, METRICS / f"{stage}.json"
+    history_csv, curves_png = PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png"
+    with staged_outputs(model_dir, metrics_file, history_csv, curves_png) as out, \
+            stage_run(stage, params, extra_params={**_extra_params(params, cfg, model, info), **extra},
+                      tags=tags, resume_key=spec.run_name, system_metrics=True) as run:
+        result = fit(spec, params, model, run_id=run.info.run_id)
+        summary = _summary(result)
+        mlflow.log_metrics({k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))})
+        mlflow.set_tags({"kept_weights": result.selection.kept["source"], "kept_reason": result.selection.kept["reason"]})
+        aug = resolve_augment(cfg.augment)
+        meta = {"classes": info["classes"], "image_size": cfg.image_size,
+                "normalize": {k: aug[k] for k in ("mean", "std")},
+                "stage": stage, "ray_run": result.run_name, "mlflow_run_id": run.info.run_id}
+        save_model(result.model, out[model_dir], extra=meta)
+        atomic_write_json(out[metrics_file], summary)
+        write_history(result.history, out[history_csv])
+        plot_history({stage: result.history}, out[curves_png])
+        out.publish()
+        for path in (metrics_file, history_csv, curves_png, model_dir / "config.json"):
+            mlflow.log_artifact(str(path))
+    print(f"[{stage}] done: kept epoch {summary['kept_epoch']} ({summary['kept_source']} weights, val top-1 "
+          f"{summary['kept_val_top1']:.4f}) -> {model_dir}/", flush=True)
+    return summary
+
+
+def _summary(result: TrainResult) -> dict:
+    """metrics/<stage>.json: the last epoch's numbers and which weights were kept."""
+    final = result.history[-1]
+    summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema", "step",
+                                     "images_seen") if k in final}
+    return {**summary, **selection_summary(result.selection)}
+
+
+def pretrain(params: Params) -> dict:
+    """Train a ViT from scratch on the pretrain shards."""
+    shard_dir = storage.shard_dir("pretrain")
+    info = read_dataset_info(shard_dir)
+    torch.manual_seed(params.pretrain.seed)
+    model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=len(info["classes"]))
+    return _train_and_save("pretrain", params, params.pretrain, model, shard_dir, info, {})
+
+
+def load_finetune_start(params: Params, num_classes: int) -> VisionTransformer:
+    """Pretrained weights (or an external file), new head, moved to the fine-tune resolution/patch."""
+    ft = params.finetune
+    if ft.init is None:
+        model, _ = load_model(MODELS / "pretrain")
+    elif ft.init == "scratch":  # ablation: the same fine-tune without pretraining
+        torch.manual_seed(ft.seed)
+        model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=num_classes)
+    else:
+        model = _load_external(params, Path(ft.init))
+    torch.manual_seed(ft.seed)
+    model.reset_classifier(num_classes)
+    model.set_input_size(image_size=ft.image_size, patch_size=params.finetune_patch_size,
+                         mode=ft.interpolation.mode, antialias=ft.interpolation.antialias)
+    return model
+
+
+def _load_external(params: Params, path: Path) -> VisionTransformer:
+    """Weights from a file (ours, timm's or torchvision's key layout), built at their own patch size and
+    grid; the caller then moves the model to the fine-tune resolution with the configured interpolation."""
+    if not path.exists():
+        raise FileNotFoundError(f"finetune.init: {path} does not exist (a model directory, .safetensors or .pt file)")
+    if path.is_dir():
+        return load_model(path)[0]
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    if params.finetune.init_source != "pipeline":
+        state = convert_state_dict(state, params.finetune.init_source, drop_head=True)
+    state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    try:
+        width, _, patch, _ = state["patch_embed.proj.weight"].shape
+        grid = math.isqrt(state["pos_embed"].shape[1] - 1)
+    except KeyError as exc:
+        raise ValueError(f"finetune.init: {path} has no {exc} (is finetune.init_source="
+                         f"{params.finetune.init_source!r} right? valid: pipeline, timm, torchvision)") from None
+    model = build_model(params.model, patch_size=patch, image_size=grid * patch, num_classes=0)
+    if model.config.embed_dim != width:
+        raise ValueError(f"finetune.init: {path} is {width} wide but model.preset={params.model.preset!r} is "
+                         f"{model.config.embed_dim} wide (set model.preset / model.embed_dim to match)")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not m.startswith("head.")]:
+        raise ValueError(f"finetune.init: {path} does not fit model.preset={params.model.preset!r} "
+                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return model
+
+
+def finetune(params: Params) -> dict:
+    """Fine-tune the pretrained model on the finetune shards at the fine-tune resolution."""
+    shard_dir = storage.shard_dir("finetune")
+    info = read_dataset_info(shard_dir)
+    model = load_finetune_start(params, len(info["classes"]))
+    return _train_and_save("finetune", params, params.finetune, model, shard_dir, info, finetune_extra_params(params))
+
+
+def finetune_extra_params(params: Params) -> dict:
+    """What the finetune run logs beyond its params section: how the model was moved and from where."""
+    ft = params.finetune
+    return {"interpolation.mode": ft.interpolation.mode, "interpolation.antialias": ft.interpolation.antialias,
+            "pretrain_image_size": params.pretrain.image_size, "init": ft.init or "models/pretrain"}

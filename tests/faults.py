@@ -1,0 +1,43 @@
+"""Failure injection for the fault-tolerance tests, installed as a training step hook
+(``$VIT_STEP_HOOKS``, see ``pipeline.train.worker.load_step_hooks``) so the production loop holds none of it.
+
+    inject_fault(monkeypatch, "raise@12:/tmp/marker")   # or kill@12:...; then run the stage
+
+The hook runs in each rank's own process (Ray workers included): this module imports nothing from
+the test session, and ``fault_env`` puts the repository root on PYTHONPATH so a repo copy finds it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fail_once(step: int, ctx, spec: str) -> None:
+    """``spec`` = ``raise@N:MARKER`` or ``kill@N:MARKER``: before step N, on the last rank, once per
+    marker file, raise (a worker error) or SIGKILL the rank's process (a lost worker)."""
+    mode, rest = spec.split("@", 1)
+    at, marker = rest.split(":", 1)
+    if step != int(at) or ctx.rank != ctx.world_size - 1 or Path(marker).exists():
+        return
+    Path(marker).write_text(f"failed at step {step}\n")
+    time.sleep(5)  # let Ray Train's controller collect the last report (it polls every 2 s)
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected failure at step {step}")
+
+
+def fault_env(spec: str) -> dict[str, str]:
+    """Environment for a stage that should fail once as ``spec`` says (see :func:`fail_once`)."""
+    path = os.environ.get("PYTHONPATH")
+    return {"VIT_STEP_HOOKS": f"tests.faults:fail_once={spec}",
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+
+
+def inject_fault(monkeypatch, spec: str) -> None:
+    """Make the stages this test runs (with its environment) fail once as ``spec`` says."""
+    for key, value in fault_env(spec).items():
+        monkeypatch.setenv(key, value)
