@@ -11,20 +11,20 @@ from pipeline.signals import raise_on_signals
 WAIT_REPORT_S = 30  # how often a wait for cluster resources says so
 
 
-def world_size(cfg: RayConfig) -> int:
+def world_size(ray_cfg: RayConfig) -> int:
     """Ranks of a training run: ``ray.num_workers``, or 1 in-process with ``ray.backend: local``."""
-    return 1 if cfg.backend == "local" else cfg.num_workers
+    return 1 if ray_cfg.backend == "local" else ray_cfg.num_workers
 
 
-def worker_resources(cfg: RayConfig) -> dict[str, float]:
+def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
     """What one rank (a Ray Train worker or an evaluation task) reserves."""
-    res = {"CPU": float(cfg.cpus_per_worker)}
-    if cfg.use_gpu:
-        res["GPU"] = float(cfg.gpus_per_worker or 1)
+    res = {"CPU": float(ray_cfg.cpus_per_worker)}
+    if ray_cfg.use_gpu:
+        res["GPU"] = float(ray_cfg.gpus_per_worker or 1)
     return res
 
 
-def init_ray(cfg: RayConfig) -> None:
+def init_ray(ray_cfg: RayConfig) -> None:
     """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS``, or start a quiet local one; either
     way make sure it can hold ``ray.num_workers`` ranks before anything is submitted."""
     import ray
@@ -34,58 +34,58 @@ def init_ray(cfg: RayConfig) -> None:
     quiet = {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     for k, v in quiet.items():
         os.environ.setdefault(k, v)
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
     if not address:  # one machine, no preemptible nodes: Ray Train's preemption watcher only adds a log line
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         quiet["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
-    kwargs = dict(logging_level=logging.INFO if cfg.verbose else logging.WARNING,
+    kwargs = dict(logging_level=logging.INFO if ray_cfg.verbose else logging.WARNING,
                   log_to_driver=True, runtime_env={"env_vars": quiet})
     if address:
         ray.init(address=address, **kwargs)
     else:
-        check_local_capacity(cfg)
-        if not cfg.verbose:  # "token auth enabled by default": moot for a 127.0.0.1-only cluster
+        check_local_capacity(ray_cfg)
+        if not ray_cfg.verbose:  # "token auth enabled by default": moot for a 127.0.0.1-only cluster
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls.
         # cpus_per_worker may exceed the cores (a cluster recipe tried on a laptop): Ray is told it has them.
-        ray.init(num_cpus=max(cfg.num_workers * cfg.cpus_per_worker, os.cpu_count() or 1), include_dashboard=True,
+        ray.init(num_cpus=max(ray_cfg.num_workers * ray_cfg.cpus_per_worker, os.cpu_count() or 1), include_dashboard=True,
                  dashboard_host="127.0.0.1", **kwargs)
     raise_on_signals()  # ray.init replaced the SIGTERM handler with one that aborts
     if address:
-        wait_for_resources(cfg)
+        wait_for_resources(ray_cfg)
 
 
-def joins_cluster(cfg: RayConfig) -> bool:
-    return bool(cfg.address or os.environ.get("RAY_ADDRESS"))
+def joins_cluster(ray_cfg: RayConfig) -> bool:
+    return bool(ray_cfg.address or os.environ.get("RAY_ADDRESS"))
 
 
-def check_local_capacity(cfg: RayConfig) -> None:
+def check_local_capacity(ray_cfg: RayConfig) -> None:
     """On one machine (no cluster to join), the ranks must fit it: one process per rank, the GPUs
     asked for present. Checked before any work; Ray itself would wait forever."""
-    if cfg.backend == "local" or joins_cluster(cfg):
+    if ray_cfg.backend == "local" or joins_cluster(ray_cfg):
         return
     cpus = os.cpu_count() or 1
-    if cfg.num_workers > cpus:
-        raise ConfigError(f"ray.num_workers: {cfg.num_workers} ranks need {cfg.num_workers} processes, and this "
+    if ray_cfg.num_workers > cpus:
+        raise ConfigError(f"ray.num_workers: {ray_cfg.num_workers} ranks need {ray_cfg.num_workers} processes, and this "
                           f"machine has {cpus} CPUs (valid here: 1..{cpus}; or join a cluster with ray.address)")
-    if cfg.use_gpu:
+    if ray_cfg.use_gpu:
         import torch
-        need, have = cfg.num_workers * worker_resources(cfg)["GPU"], torch.cuda.device_count()
+        need, have = ray_cfg.num_workers * worker_resources(ray_cfg)["GPU"], torch.cuda.device_count()
         if need > have:
-            raise ConfigError(f"ray.use_gpu: ray.num_workers={cfg.num_workers} x {worker_resources(cfg)['GPU']:g} GPU "
+            raise ConfigError(f"ray.use_gpu: ray.num_workers={ray_cfg.num_workers} x {worker_resources(ray_cfg)['GPU']:g} GPU "
                               f"needs {need:g} GPU (this machine has {have}); set ray.use_gpu: false, lower "
                               f"ray.num_workers / gpus_per_worker, or join a cluster with ray.address")
 
 
-def wait_for_resources(cfg: RayConfig) -> None:
+def wait_for_resources(ray_cfg: RayConfig) -> None:
     """A joined cluster must offer ``num_workers`` x :func:`worker_resources`, or Ray waits forever
     without a word. It may be autoscaling: ask for the ranks, wait up to ``ray.resource_wait_s``
     saying so every 30 s, then fail with what is missing."""
     import ray
     from ray.autoscaler.sdk import request_resources
 
-    need = {k: v * cfg.num_workers for k, v in worker_resources(cfg).items()}
-    request_resources(bundles=[worker_resources(cfg)] * cfg.num_workers)
+    need = {k: v * ray_cfg.num_workers for k, v in worker_resources(ray_cfg).items()}
+    request_resources(bundles=[worker_resources(ray_cfg)] * ray_cfg.num_workers)
     start = next_report = time.monotonic()
     while True:
         have = ray.cluster_resources()
@@ -94,11 +94,11 @@ def wait_for_resources(cfg: RayConfig) -> None:
             return
         waited = time.monotonic() - start
         what = ", ".join(f"{v:g} {k} (cluster has {h:g})" for k, (v, h) in short.items())
-        if waited >= cfg.resource_wait_s:
-            raise ConfigError(f"ray.num_workers={cfg.num_workers} x {worker_resources(cfg)} per worker needs {what} "
+        if waited >= ray_cfg.resource_wait_s:
+            raise ConfigError(f"ray.num_workers={ray_cfg.num_workers} x {worker_resources(ray_cfg)} per worker needs {what} "
                               f"after {waited:.0f} s (ray.resource_wait_s); lower ray.num_workers / cpus_per_worker / "
                               f"gpus_per_worker, set ray.use_gpu: false, or add nodes")
         if time.monotonic() >= next_report:
             next_report += WAIT_REPORT_S
-            print(f"[ray] waiting up to {cfg.resource_wait_s - waited:.0f} s for the cluster to offer {what}", flush=True)
+            print(f"[ray] waiting up to {ray_cfg.resource_wait_s - waited:.0f} s for the cluster to offer {what}", flush=True)
         time.sleep(1)

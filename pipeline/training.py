@@ -25,30 +25,30 @@ from pipeline.train.selection import summary as selection_summary
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
 
 
-def _extra_params(params: Params, cfg: TrainConfig, model: VisionTransformer, info: dict) -> dict:
+def _extra_params(params: Params, recipe: TrainConfig, model: VisionTransformer, info: dict) -> dict:
     c = model.config
-    return {"model_size": params.model.preset, "patch_size": c.patch_size[0], "image_size": cfg.image_size,
+    return {"model_size": params.model.preset, "patch_size": c.patch_size[0], "image_size": recipe.image_size,
             "num_params": sum(p.numel() for p in model.parameters()), "world_size": world_size(params.ray),
-            "global_batch_size": cfg.global_batch_size, "dataset": info.get("source"),
+            "global_batch_size": recipe.global_batch_size, "dataset": info.get("source"),
             "num_classes": len(info["classes"])}
 
 
-def _train_and_save(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
+def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
                     shard_dir: str | Path, info: dict, extra: dict) -> dict:
-    cfg = dataclasses.replace(cfg, augment=with_dataset_stats(cfg.augment, info))  # "dataset" -> numbers
+    recipe = dataclasses.replace(recipe, augment=with_dataset_stats(recipe.augment, info))  # "dataset" -> numbers
     tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")), "dataset.source": info["source"]}
-    spec = prepare_run(stage, params, cfg, model, str(shard_dir))
+    spec = prepare_run(stage, params, recipe, model, str(shard_dir))
     model_dir, metrics_file = MODELS / stage, METRICS / f"{stage}.json"
     history_csv, curves_png = PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png"
     with staged_outputs(model_dir, metrics_file, history_csv, curves_png) as out, \
-            stage_run(stage, params, extra_params={**_extra_params(params, cfg, model, info), **extra},
+            stage_run(stage, params, extra_params={**_extra_params(params, recipe, model, info), **extra},
                       tags=tags, resume_key=spec.run_name, system_metrics=True) as run:
         result = fit(spec, params, model, run_id=run.info.run_id)
         summary = _summary(result)
         mlflow.log_metrics({k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))})
         mlflow.set_tags({"kept_weights": result.selection.kept["source"], "kept_reason": result.selection.kept["reason"]})
-        aug = resolve_augment(cfg.augment)
-        meta = {"classes": info["classes"], "image_size": cfg.image_size,
+        aug = resolve_augment(recipe.augment)
+        meta = {"classes": info["classes"], "image_size": recipe.image_size,
                 "normalize": {k: aug[k] for k in ("mean", "std")},
                 "stage": stage, "ray_run": result.run_name, "mlflow_run_id": run.info.run_id}
         save_model(result.model, out[model_dir], extra=meta)

@@ -77,19 +77,19 @@ def check_batch_fits(stage: str, global_batch: int, train_images: int, shard_dir
                           f"({train_images} images in {shard_dir}); valid: 1..{train_images}")
 
 
-def prepare_run(stage: str, params: Params, cfg: TrainConfig, model: VisionTransformer,
+def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
                 shard_dir: str) -> RunSpec:
     """Everything the ranks need, and the run name that identifies this exact run."""
     info = read_dataset_info(shard_dir)
     world = world_size(params.ray)
     check_local_capacity(params.ray)
-    check_batch_fits(stage, cfg.global_batch_size, info["counts"]["train"], shard_dir)
-    steps = info["counts"]["train"] // cfg.global_batch_size
+    check_batch_fits(stage, recipe.global_batch_size, info["counts"]["train"], shard_dir)
+    steps = info["counts"]["train"] // recipe.global_batch_size
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     loop = LoopConfig.from_train(
-        cfg, stage=stage, model=model.config.to_dict(), shard_dir=storage.worker_path(shard_dir),
-        steps_per_epoch=steps, per_worker_batch=worker_batch(cfg.global_batch_size, world),
-        warmup_steps=int(round(cfg.warmup_epochs * steps)), loader_workers=loader_workers(params.ray),
+        recipe, stage=stage, model=model.config.to_dict(), shard_dir=storage.worker_path(shard_dir),
+        steps_per_epoch=steps, per_worker_batch=worker_batch(recipe.global_batch_size, world),
+        warmup_steps=int(round(recipe.warmup_epochs * steps)), loader_workers=loader_workers(params.ray),
         verbose=params.ray.verbose)
     # the backend is not part of the identity: a local run and a 1-worker Ray run continue each other
     identity = {**loop.identity(), "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
