@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import socket
@@ -311,18 +312,31 @@ def test_cluster_params_overlay(tmp_path, capsys):
     assert gpu_group["replicas"] >= p.ray.num_workers  # one Ray Train worker per GPU pod
 
 
-def test_dockerfile_and_scripts():
-    docker = (ROOT / "infra/Dockerfile").read_text()
-    base = re.search(r"^FROM\s+(\S+)", docker, re.M).group(1)
-    assert "3.11" in base, base
-    assert "requirements.txt" in docker and re.search(r"pip install .*-r requirements.txt", docker)
+def test_dockerfile_image_holds_what_it_runs(tmp_path):
+    """Without Docker (no registry here): the files the Dockerfile COPYs, laid out as in the image,
+    pass the image's own import check and install as the package; the lock is what it installs."""
+    lines = re.sub(r"\\\n", " ", (ROOT / "infra/Dockerfile").read_text()).splitlines()
+    base = next(line.split()[1] for line in lines if line.startswith("FROM "))
+    assert re.search(r"python:3\.1[123]\b", base), base  # a supported Python (pyproject's requires-python)
+    app = tmp_path / "app"
+    copied = [src for line in lines if line.startswith("COPY ") for src in line.split()[1:-1]]
+    copy_repo_files(app, copied)
+    runs = [cmd.strip() for line in lines if line.startswith("RUN ") for cmd in line[4:].split(" && ")]
+    assert any(re.search(r"pip install -r requirements.txt\b", r) for r in runs), runs
+    check = next(r for r in runs if r.startswith("python -c"))
+    where = 'python -c "import pipeline, stages; print(pipeline.__file__, *stages.__path__)"'
+    proc = subprocess.run(["bash", "-c", f"{check} && {where}"], cwd=app, capture_output=True, text=True,
+                          timeout=120, env={"PATH": os.environ["PATH"], "PYTHONPATH": str(app)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(p.startswith(str(app)) for p in proc.stdout.split()), proc.stdout  # not this checkout's
+    install = next(r for r in runs if "pip install" in r and " ." in r)
+    assert "--no-deps" in install, install  # dependencies come from the lock, not re-resolved
+
+
+def test_infra_scripts_parse_and_name_real_stages():
     for script in ("ray-head.sh", "submit.sh", "job.sh", "mlflow-server.sh"):
         path = ROOT / "infra" / script
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, script
         assert path.read_text().startswith("#!/usr/bin/env bash")
     default = re.search(r"entry=\((bash infra/job.sh[^)]*)\)", (ROOT / "infra/submit.sh").read_text()).group(1)
     _entrypoint_ok(default)
-    for doc in ("README.md",):
-        text = (ROOT / "infra" / doc).read_text()
-        for needle in ("VIT_WORKSPACE", "RAY_AUTH_MODE=token", "MLFLOW_TRACKING_URI", "storage_path"):
-            assert needle in text, needle
