@@ -2,7 +2,8 @@
 tracking code (``stage_run`` + the workers' ``RunLogger``) to a real server started by
 infra/mlflow-server.sh, then a real headless Chromium (Playwright) opens the experiment, selects both
 runs, presses Compare and finds the model size, patch size, resolution, interpolation and a metric.
-Saves the view to docs/mlflow-compare.png."""
+Its metric values are made up (no training here); the README's picture of two real pipeline runs is
+taken by tests/test_pipeline.py::test_compare_two_real_pipeline_runs_in_the_ui."""
 from __future__ import annotations
 
 import os
@@ -17,8 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
-# The README's picture; refreshed only on request so a test run leaves the tree clean.
-README_SCREENSHOT = ROOT / "docs/mlflow-compare.png"
 EXPERIMENT = "ui-compare"
 # name, params.yaml overrides, (train_loss, val_top1) per epoch
 RUNS = [
@@ -143,5 +142,3 @@ def test_compare_view_shows_params_and_metrics(mlflow_server, tmp_path, monkeypa
         finally:
             browser.close()
     assert screenshot.stat().st_size > 20_000
-    if os.environ.get("VIT_UPDATE_SCREENSHOTS") == "1":
-        shutil.copyfile(screenshot, README_SCREENSHOT)
