@@ -286,11 +286,19 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro, port_factory, env_facto
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
+                # MLflow 3.17's UI picks its GenAI or model-training navigation from its own switch (or
+                # ?workflowType=), not from the experiment's kind tag: the README's two ways in, each in
+                # a fresh browser profile.
+                link = browser.new_page()
+                link.goto(f"{url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning")
+                link.get_by_text("interp-bilinear").first.wait_for(timeout=30_000)
+                assert f"/experiments/{exp.experiment_id}/runs" in link.url, link.url
+                link.context.close()
                 page = browser.new_page(viewport={"width": 1200, "height": 1100})
                 page.set_default_timeout(30_000)
-                # The README's link: MLflow 3.17's UI picks its GenAI or model-training navigation from
-                # ?workflowType= (then remembered by the browser), not from the experiment's kind tag.
-                page.goto(f"{url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning")
+                page.goto(f"{url}/#/experiments")
+                page.get_by_text("Model training", exact=True).first.click()  # remembered by the browser
+                page.get_by_role("link", name="vit-pipeline").first.click()
                 page.get_by_text("interp-bilinear").first.wait_for()
                 assert f"/experiments/{exp.experiment_id}/runs" in page.url, page.url
                 assert page.get_by_text("finetune-digits-train").count() >= 1  # the Dataset column
