@@ -150,10 +150,15 @@ def dataset_inputs(stage: str) -> list:
 
 
 def log_datasets(client, run_ids: list[str], stage: str) -> None:
-    inputs = dataset_inputs(stage)
-    if inputs:
-        for run_id in run_ids:
+    """The stage's shards as inputs of its run and of the pipeline run (a warning if that fails)."""
+    try:
+        inputs = dataset_inputs(stage)
+        for run_id in run_ids if inputs else ():
             client.log_inputs(run_id, datasets=inputs)
+    except Exception as exc:  # noqa: BLE001 - an unreadable manifest must not stop the training
+        import sys
+
+        print(f"[{stage}] warning: could not log the datasets to MLflow: {exc}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- results
