@@ -39,6 +39,16 @@ def recipe_overrides(path: str, sets: list[str] = ()) -> dict[str, object]:
     return flat
 
 
+def override_value(value: object) -> str:
+    """A value in the override grammar `dvc exp run -S` parses (Hydra's): JSON, except that dict keys
+    are bare (``{auto_augment: "randaugment"}``; a quoted key is a syntax error there)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {override_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(override_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m pipeline.recipes") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe", help="a partial params.yaml, e.g. configs/cifar10.yaml")
@@ -52,8 +62,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.recipes"
     except ConfigError as exc:
         print(f"error: {args.recipe}: {exc}", file=sys.stderr)
         return 2
-    print(" ".join(f"-S {shlex.quote(f'{k}={json.dumps(v)}')}" for k, v in overrides.items()))
+    with open(args.params) as f:
+        present = set(flatten(yaml.safe_load(f) or {}))
+    args_out = []
+    for k, v in overrides.items():
+        if isinstance(v, dict) and override_key(k, present) == k:  # replace the dict whole, not merge into it
+            args_out += ["-S", shlex.quote(f"~{k}"), "-S", shlex.quote(f"++{k}={override_value(v)}")]
+        else:
+            args_out += ["-S", shlex.quote(f"{override_key(k, present)}={override_value(v)}")]
+    print(" ".join(args_out))
     return 0
+
+
+def override_key(key: str, present: set[str]) -> str:
+    """``key`` if params.yaml has it; ``++key`` (add) for an optional key it leaves out, which a plain
+    ``-S key=...`` refuses ("Key ... is not in struct"). Dict-valued keys are replaced whole either way."""
+    if key in present or any(p.startswith(key + ".") for p in present):
+        return key
+    return "++" + key
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 The driver (the stage process) owns the run: it creates it, tags it and ends it. Ray workers only
 log metrics into it by run id (:class:`RunLogger`), so a restarted worker never creates a second
-run. All runs of one pipeline invocation (same code + same params.yaml) hang under one parent run.
+run. All runs of one pipeline invocation (same code + same params.yaml + DVC experiment name) hang under
+one parent run, the pipeline run (:mod:`pipeline.pipeline_run`): each stage's results, wall time and
+datasets land on it as the stage ends.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from pipeline import pipeline_run
 from pipeline.config import ConfigError, Params, flatten
 from pipeline.storage import file_hash
 
@@ -28,7 +31,9 @@ def resolve_tracking_uri(uri: str) -> str:
     """Make a relative ``sqlite:///file.db`` absolute so Ray workers (other cwd) hit the same file."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str(Path(uri[len(prefix):]).resolve())
+        # A queued `dvc exp run` runs in a temp copy; DVC_ROOT is the repository it belongs to.
+        root = Path(os.environ.get("DVC_ROOT") or ".")
+        return prefix + str((root / uri[len(prefix):]).resolve())
     return uri
 
 
@@ -61,18 +66,15 @@ def git_info(cwd: str | os.PathLike = ".") -> dict[str, str]:
 def pipeline_id(params_path: str | os.PathLike = "params.yaml") -> str:
     """Same commit + same params.yaml → same id: the stages of one `dvc repro` share it."""
     commit = git_info(Path(params_path).parent)["git.commit"]
-    return hashlib.sha256(f"{commit}:{file_hash(params_path)}".encode()).hexdigest()[:12]
+    key = f"{commit}:{file_hash(params_path)}"
+    if os.environ.get(pipeline_run.EXP_NAME_ENV):  # each DVC experiment is its own pipeline run
+        key += ":" + os.environ[pipeline_run.EXP_NAME_ENV]
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def _parent_run(client, experiment_id: str, pid: str, tags: dict[str, str]) -> str:
-    found = client.search_runs([experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'pipeline'",
-                               max_results=1)
-    if found:
-        return found[0].info.run_id
-    run = client.create_run(experiment_id, run_name=f"pipeline-{pid}",
-                            tags={**tags, "kind": "pipeline", "pipeline.id": pid})
-    client.set_terminated(run.info.run_id, "FINISHED")
-    return run.info.run_id
+def _parent_run(client, experiment_id: str, pid: str, tags: dict[str, str], params: Params, start_ms: int) -> str:
+    """The pipeline run (see :mod:`pipeline.pipeline_run`), RUNNING while a stage runs."""
+    return pipeline_run.find_or_create(client, experiment_id, pid, params, tags, start_ms)
 
 
 @contextmanager
@@ -92,9 +94,12 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.set_experiment(params.mlflow.experiment)
     client = MlflowClient(uri)
+    pipeline_run.mark_training_experiment(client, experiment)
     base_tags = {**git_info(), "dvc.lock": file_hash("dvc.lock")}
     pid = pipeline_id(params_path)
-    parent = _parent_run(client, experiment.experiment_id, pid, base_tags)
+    start_ms = pipeline_run.process_start_ms()
+    parent = _parent_run(client, experiment.experiment_id, pid,
+                         {**base_tags, **pipeline_run.experiment_name_tag()}, params, start_ms)
     all_tags = {**base_tags, **(tags or {}), "stage": stage, "kind": "stage", "pipeline.id": pid,
                 "mlflow.parentRunId": parent}
     previous = None
@@ -108,17 +113,38 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
         ctx = mlflow.start_run(run_id=previous, log_system_metrics=system_metrics)
     else:
         ctx = mlflow.start_run(run_name=run_name, tags=all_tags, log_system_metrics=system_metrics)
-    with ctx as run:
-        if previous:
-            mlflow.set_tags(all_tags)
-        logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage),
-                  **(extra_params or {})}
-        mlflow.log_params({k: _param_value(v) for k, v in logged.items()})
-        try:
-            yield run
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (pipeline.signals): stopped, not failed
-            mlflow.end_run("KILLED")
-            raise
+    status, run_id = "FAILED", None
+    try:
+        with ctx as run:
+            run_id = run.info.run_id
+            if previous:
+                mlflow.set_tags(all_tags)
+            logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage),
+                      **(extra_params or {})}
+            mlflow.log_params({k: _param_value(v) for k, v in logged.items()})
+            pipeline_run.log_datasets(client, [run_id, parent], stage)
+            try:
+                yield run
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM (pipeline.signals): stopped, not failed
+                status = "KILLED"
+                mlflow.end_run("KILLED")
+                raise
+            status = "FINISHED"
+    finally:  # after the stage's run has ended: the pipeline run ends with (or after) it
+        _finish_parent(client, experiment.experiment_id, parent, pid, stage, run_id, start_ms, status)
+
+
+def _finish_parent(client, experiment_id: str, parent: str, pid: str, stage: str, run_id: str | None,
+                   start_ms: int, status: str) -> None:
+    """The stage's results and wall time onto the pipeline run; never turns a stage's outcome around."""
+    try:
+        if status == "FINISHED":
+            pipeline_run.backfill_skipped(client, experiment_id, parent, pid, stage)
+        pipeline_run.stage_finished(client, parent, stage, run_id, start_ms, status)
+    except Exception as exc:  # noqa: BLE001 - tracking trouble must not fail a finished stage
+        import sys
+
+        print(f"[{stage}] warning: could not update the pipeline run {parent}: {exc}", file=sys.stderr, flush=True)
 
 
 def _param_value(v: Any) -> str:

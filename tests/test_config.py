@@ -1,4 +1,5 @@
 """params.yaml → typed config: defaults load, and bad values stop with a message naming key and value."""
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,33 @@ def test_cifar10_recipe_expands_to_valid_overrides(tmp_path):
     args = shlex.split(proc.stdout)  # what xargs hands to `dvc exp run`
     assert proc.returncode == 0 and args[0] == "-S" and "data.pretrain.root=\"/x y/cifar\"" in args
     assert main([str(ROOT / "configs/cifar10.yaml"), "--set", "model.num_heads=5"]) == 2
+
+
+def test_recipe_overrides_are_what_dvc_exp_run_applies(tmp_path):
+    """The printed `-S` arguments through DVC's own override code (what `dvc exp run -S` / `--queue`
+    does to params.yaml): keys params.yaml leaves out are added, augment dicts replaced whole."""
+    import shlex
+
+    from dvc.utils.hydra import apply_overrides
+
+    from pipeline.recipes import recipe_overrides
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.recipes", str(ROOT / "configs/cifar10.yaml"),
+                           "--set", "data.pretrain.root=/x y/cifar"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    args = shlex.split(proc.stdout)
+    assert args[::2] == ["-S"] * (len(args) // 2) and "++model.num_heads=12" in args
+    apply_overrides(tmp_path / "params.yaml", args[1::2])
+    p = load_params(tmp_path / "params.yaml")
+    expected = recipe_overrides(str(ROOT / "configs/cifar10.yaml"), ["data.pretrain.root=/x y/cifar"])
+    raw = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    for key, value in expected.items():
+        node = raw
+        for part in key.split("."):
+            node = node[part]
+        assert node == value or float(node) == value, (key, node, value)  # DVC writes 1e-05 (a str to PyYAML)
+    assert p.pretrain.augment == expected["pretrain.augment"] and p.model.num_heads == 12
 
 
 def test_one_gpu_recipe_is_valid_and_runs_in_process():

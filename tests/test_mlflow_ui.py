@@ -2,12 +2,11 @@
 tracking code (``stage_run`` + the workers' ``RunLogger``) to a real server started by
 infra/mlflow-server.sh, then a real headless Chromium (Playwright) opens the experiment, selects both
 runs, presses Compare and finds the model size, patch size, resolution, interpolation and a metric.
-Saves the view to docs/mlflow-compare.png."""
+Its metric values are made up (no training here); the README's picture of two real pipeline runs is
+taken by tests/test_pipeline.py::test_compare_two_real_pipeline_runs_in_the_ui."""
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
-# The README's picture; refreshed only on request so a test run leaves the tree clean.
-README_SCREENSHOT = ROOT / "docs/mlflow-compare.png"
 EXPERIMENT = "ui-compare"
 # name, params.yaml overrides, (train_loss, val_top1) per epoch
 RUNS = [
@@ -46,7 +43,7 @@ def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
     from pipeline.config import load_params
     from pipeline.model import build_vit
     from pipeline.tracking import RunLogger, stage_run
-    from pipeline.train.stages import _extra_params, finetune_extra_params
+    from pipeline.training import _extra_params, finetune_extra_params
 
     ids = []
     for name, overrides, curve in RUNS:
@@ -57,7 +54,7 @@ def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
         model = build_vit(params.model.preset, patch_size=params.finetune_patch_size, image_size=ft.image_size,
                           num_classes=10, pool=params.model.pool, **params.model.overrides())
         info = {"source": "digits", "classes": [str(i) for i in range(10)]}
-        # exactly what pipeline.train.stages.finetune logs
+        # exactly what pipeline.training.finetune logs
         extra = {**_extra_params(params, ft, model, info), **finetune_extra_params(params)}
         with stage_run("finetune", params, extra_params=extra, tags={"run_name": name},
                        params_path=str(params_path)) as run:
@@ -131,5 +128,3 @@ def test_compare_view_shows_params_and_metrics(mlflow_server, tmp_path, monkeypa
         finally:
             browser.close()
     assert screenshot.stat().st_size > 20_000
-    if os.environ.get("VIT_UPDATE_SCREENSHOTS") == "1":
-        shutil.copyfile(screenshot, README_SCREENSHOT)

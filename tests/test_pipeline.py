@@ -1,6 +1,7 @@
 """End to end: a real `dvc repro` of all stages (real Ray workers, tars, MLflow sqlite) in a temp repo copy."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from tests.conftest import clean_env
 from tests.repo_copy import make_repo, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +98,212 @@ def test_mlflow_runs(repro):
     parents = {r.data.tags["mlflow.parentRunId"] for v in by_stage.values() for r in v}
     assert len(parents) == 1  # one pipeline invocation → one parent run
     assert all(r.info.status == "FINISHED" for v in by_stage.values() for r in v)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on training runs
+
+
+def test_pipeline_run_is_what_you_compare(repro):
+    """The parent run carries the pipeline's params, outcome, tags, datasets and spans its stages."""
+    from mlflow.tracking import MlflowClient
+
+    repo, _ = repro
+    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    exp = client.get_experiment_by_name("vit-pipeline")
+    (parent,) = client.search_runs([exp.experiment_id], "tags.kind = 'pipeline'")
+    children = {r.data.tags["stage"]: r for r in client.search_runs(
+        [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    assert set(children) == set(STAGES)
+    p, m, t = parent.data.params, parent.data.metrics, parent.data.tags
+    assert {k: p[k] for k in ("model.preset", "model.patch_size", "pretrain.image_size", "finetune.image_size",
+                              "finetune.interpolation.mode", "finetune.interpolation.antialias", "finetune.init",
+                              "world_size", "data.pretrain.source", "data.finetune.source")} == {
+        "model.preset": "nano", "model.patch_size": "4", "pretrain.image_size": "16", "finetune.image_size": "32",
+        "finetune.interpolation.mode": "bicubic", "finetune.interpolation.antialias": "True",
+        "finetune.init": "models/pretrain", "world_size": "2", "data.pretrain.source": "fractals",
+        "data.finetune.source": "digits"}
+    ev = json.loads((repo / "metrics/evaluate.json").read_text())
+    assert m["test_top1"] == pytest.approx(ev["top1"]) and m["test_top5"] == pytest.approx(ev["top5"])
+    assert m["macro_f1"] == pytest.approx(ev["macro_f1"])
+    assert {k: m[f"top1_at_{k}px"] for k in ("24", "32")} == pytest.approx(ev["resolution_sweep"])
+    assert m["export.passed"] == 1.0 and m["export.onnx.top1_agreement"] == 1.0
+    ft = json.loads((repo / "metrics/finetune.json").read_text())
+    assert m["finetune.val_top1"] == pytest.approx(ft["val_top1"]) and "pretrain.val_top1" in m
+    for stage, child in children.items():  # each stage's wall time: its process, so at least its MLflow run
+        assert m[f"{stage}.wall_s"] >= (child.info.end_time - child.info.start_time) / 1000 - 0.01
+        assert t[f"{stage}.run_id"] == child.info.run_id and t[f"{stage}.status"] == "FINISHED"
+    # a real duration: from the first stage's start to the last stage's end
+    assert parent.info.status == "FINISHED"
+    assert parent.info.start_time <= min(r.info.start_time for r in children.values())
+    assert parent.info.end_time >= max(r.info.end_time for r in children.values())
+    assert (parent.info.end_time - parent.info.start_time) / 1000 >= sum(m[f"{s}.wall_s"] for s in STAGES) - 1
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert t["git.commit"] == commit and len(t["dvc.lock"]) == 16 and "dvc.exp_name" not in t
+    # the shards as dataset inputs: name, digest from the manifest, source, counts, context
+    manifests = {n: hashlib.sha256((repo / f"data/shards/{n}/manifest.parquet").read_bytes()).hexdigest()[:10]
+                 for n in ("pretrain", "finetune")}
+    got = {}
+    for d in parent.inputs.dataset_inputs:
+        profile = json.loads(d.dataset.profile)
+        got[d.dataset.name, d.tags[0].value] = (d.dataset.digest, json.loads(d.dataset.source)["uri"],
+                                                profile["num_samples"])
+    info = {n: json.loads((repo / f"data/shards/{n}/dataset.json").read_text())["counts"] for n in manifests}
+    assert got == {(f"{n}-{src}-{split}", split): (f"{manifests[n]}-{split}", str(repo / f"data/shards/{n}"),
+                                                   info[n][split])
+                   for n, src, splits in (("pretrain", "fractals", ("train", "val")),
+                                          ("finetune", "digits", ("train", "val", "test")))
+                   for split in splits}
+    ft_inputs = {(d.dataset.name, d.tags[0].value) for d in children["finetune"].inputs.dataset_inputs}
+    assert ft_inputs == {("finetune-digits-train", "train"), ("finetune-digits-val", "val")}
+    ev_inputs = {(d.dataset.name, d.tags[0].value) for d in children["evaluate"].inputs.dataset_inputs}
+    assert ev_inputs == {("finetune-digits-test", "test")}
+
+
+def _queue_settled(repo: Path, names: list[str], timeout: float = 900) -> str:
+    """Poll `dvc queue status` until none of ``names`` is queued or running; returns the last status."""
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        status = run(["dvc", "queue", "status"], repo, timeout=120).stdout
+        rows = [line for line in status.splitlines() if any(n in line.split() for n in names)]
+        if len(rows) == len(names) and not any(w in line for line in rows for w in ("Queued", "Running")):
+            return status
+        assert time.time() < deadline, status
+        time.sleep(5)
+
+
+def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro):
+    """`dvc exp run --queue` over a 2-point grid + `dvc queue start`: each experiment is its own MLflow
+    pipeline run, tagged with its name; the two differ exactly in the swept param; pretrain is reused."""
+    from mlflow.tracking import MlflowClient
+
+    repo, _ = repro
+    names = {"interp-bilinear": "bilinear", "interp-nearest": "nearest"}
+    for name, mode in names.items():
+        # target evaluate: export (not needed to compare accuracy) stays out, a minute less per experiment
+        proc = run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"finetune.interpolation.mode={mode}",
+                    "evaluate"], repo, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    try:
+        with open(repo / "queue-start.log", "w") as log:  # its worker keeps inherited pipes open: a file
+            start = subprocess.run(["dvc", "queue", "start"], cwd=repo, env=clean_env(), stdout=log,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=120)
+        assert start.returncode == 0, (repo / "queue-start.log").read_text()
+        status = _queue_settled(repo, list(names))
+    finally:
+        run(["dvc", "queue", "stop"], repo, timeout=120)
+    assert status.count("Success") >= 2, status
+    show = json.loads(run(["dvc", "exp", "show", "--json"], repo, timeout=120).stdout)
+    shown = [e.get("name") for base in show for e in (base.get("experiments") or []) for e in (e.get("revs") or [])]
+    assert set(names) <= set(shown)
+    diff = run(["dvc", "plots", "diff", *names, "--json"], repo, timeout=300)
+    assert diff.returncode == 0 and all(n in diff.stdout for n in names), diff.stderr[-2000:]
+
+    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    exp = client.get_experiment_by_name("vit-pipeline")
+    runs = {}
+    for name in names:
+        found = client.search_runs([exp.experiment_id], f"tags.kind = 'pipeline' and tags.`dvc.exp_name` = '{name}'")
+        assert len(found) == 1, name
+        runs[name] = found[0]
+    a, b = runs["interp-bilinear"], runs["interp-nearest"]
+    assert a.info.run_name == "interp-bilinear" and a.info.status == b.info.status == "FINISHED"
+    differ = {k for k in a.data.params.keys() | b.data.params.keys() if a.data.params.get(k) != b.data.params.get(k)}
+    assert differ == {"finetune.interpolation.mode"}
+    assert a.data.params["finetune.interpolation.mode"] == "bilinear"
+    for r in runs.values():
+        stages = {c.data.tags["stage"] for c in client.search_runs(
+            [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{r.info.run_id}'")}
+        assert stages == {"finetune", "evaluate"}  # pretrain: unchanged, not re-run; export: not a target
+        assert r.data.tags["pretrain.reused"] == "true"  # from the run that trained models/pretrain
+        first = client.get_run(client.get_run(r.data.tags["pretrain.run_id"]).data.tags["mlflow.parentRunId"])
+        assert r.data.metrics["pretrain.wall_s"] == first.data.metrics["pretrain.wall_s"] > 0
+        assert r.data.metrics["pretrain.val_top1"] == first.data.metrics["pretrain.val_top1"]
+        assert {"test_top1", "macro_f1", "top1_at_24px", "top1_at_32px", "finetune.val_top1"} <= set(r.data.metrics)
+
+
+def test_compare_two_real_pipeline_runs_in_the_ui(repro, port_factory, env_factory):
+    """Headless Chromium on a real MLflow server over the fixture's store: the experiment opens on its
+    training runs; the two queued experiments' pipeline runs, compared, show the swept param and the
+    accuracies training produced. The picture is the README's (VIT_UPDATE_SCREENSHOTS=1 refreshes it)."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import stop_group, wait_http
+    from tests.test_mlflow_ui import CHROMIUM, CHROMIUM_ARGS, _ensure_chromium, _param_row
+
+    _ensure_chromium()
+    from playwright.sync_api import sync_playwright
+
+    repo, _ = repro
+    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    exp = client.get_experiment_by_name("vit-pipeline")
+    runs = [client.search_runs([exp.experiment_id], f"tags.kind = 'pipeline' and tags.`dvc.exp_name` = '{n}'")
+            for n in ("interp-bilinear", "interp-nearest")]
+    if not all(runs):
+        pytest.skip("needs the queued experiments of test_dvc_queue_grid_one_pipeline_run_per_experiment")
+    runs = [r[0] for r in runs]
+    port = port_factory()
+    log = repo / "mlflow-server.log"
+    env = env_factory(MLFLOW_PORT=str(port), MLFLOW_HOST="127.0.0.1", MLFLOW_WORKERS="1",
+                      MLFLOW_BACKEND_STORE_URI=f"sqlite:///{repo}/mlflow.db",
+                      MLFLOW_ARTIFACTS_DESTINATION=str(repo / "mlartifacts"))
+    with open(log, "w") as out:
+        server = subprocess.Popen(["bash", str(ROOT / "infra/mlflow-server.sh")], env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    screenshot = repo / "mlflow-compare.png"
+    try:
+        wait_http(url + "/health", timeout=120, proc=server, log=log)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                # MLflow 3.17's UI picks its GenAI or model-training navigation from its own switch (or
+                # ?workflowType=), not from the experiment's kind tag: the README's two ways in, each in
+                # a fresh browser profile.
+                link = browser.new_page()
+                link.goto(f"{url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning")
+                link.get_by_text("interp-bilinear").first.wait_for(timeout=30_000)
+                assert f"/experiments/{exp.experiment_id}/runs" in link.url, link.url
+                link.context.close()
+                page = browser.new_page(viewport={"width": 1200, "height": 1100})
+                page.set_default_timeout(30_000)
+                page.goto(f"{url}/#/experiments")
+                page.get_by_text("Model training", exact=True).first.click()  # remembered by the browser
+                page.get_by_role("link", name="vit-pipeline").first.click()
+                page.get_by_text("interp-bilinear").first.wait_for()
+                assert f"/experiments/{exp.experiment_id}/runs" in page.url, page.url
+                assert page.get_by_text("finetune-digits-train").count() >= 1  # the Dataset column
+                if page.get_by_role("button", name="Close").count():  # the assistant side panel
+                    page.get_by_role("button", name="Close").first.click()
+                for r in runs:
+                    index = page.locator("[role=row]").filter(has_text=r.info.run_name).first.get_attribute(
+                        "row-index")
+                    page.locator(f'[role=row][row-index="{index}"] input[type=checkbox]').first.check()
+                page.get_by_role("button", name="Compare").click()
+                page.get_by_text("Comparing 2 Runs").wait_for()
+                assert all(r.info.run_id in page.url for r in runs), page.url
+                cells = [c.strip() for c in _param_row(page, "finetune.interpolation.mode").locator("td")
+                         .all_inner_texts()]
+                assert cells == ["bilinear", "nearest"], cells
+                for r in runs:  # the accuracies training produced, as MLflow shows them
+                    value = r.data.metrics["test_top1"]
+                    assert page.get_by_text(re.compile(rf"^{value:.5g}")).count() >= 1, value
+                page.get_by_label("Show diff only").first.click()
+                _param_row(page, "model.preset").wait_for(state="detached")
+                assert _param_row(page, "finetune.interpolation.mode").count() == 1
+                page.get_by_role("button", name=re.compile("Visualizations")).first.click()
+                if page.get_by_role("button", name="Toggle sidebar").count():
+                    page.get_by_role("button", name="Toggle sidebar").first.click()
+                page.wait_for_timeout(500)
+                page.screenshot(path=str(screenshot))
+            finally:
+                browser.close()
+    finally:
+        stop_group(server)
+    assert screenshot.stat().st_size > 20_000
+    if os.environ.get("VIT_UPDATE_SCREENSHOTS") == "1":
+        import shutil
+
+        shutil.copyfile(screenshot, ROOT / "docs/mlflow-compare.png")
 
 
 def test_second_repro_is_a_noop(repro):

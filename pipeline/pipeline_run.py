@@ -1,0 +1,255 @@
+"""The pipeline (parent) MLflow run: what one `dvc repro` / `dvc exp run` is, and what it produced.
+
+One parent run per pipeline invocation (same commit + params.yaml + DVC experiment name). It carries
+every params.yaml value (flattened, ``model.patch_size``, ``finetune.interpolation.mode``, ...) plus
+``world_size``; tags for the DVC experiment name, the git commit and the dvc.lock hash; the shards as
+MLflow dataset inputs; and, as each stage finishes, that stage's results and wall time. Its start is
+the first stage's start and its end moves to the end of each stage that finishes, so the run spans the
+pipeline. Stages DVC skipped (unchanged, e.g. pretrain under a fine-tune sweep) are filled in from
+their ``metrics/<stage>.json`` and, for training stages, from the run that produced the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from pipeline import storage
+from pipeline.config import Params, flatten
+
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "model training" experiment type (not GenAI)
+EXP_NAME_ENV = "DVC_EXP_NAME"  # set by DVC for `dvc exp run` (also for queued experiments)
+STAGES = ("pretrain", "finetune", "evaluate", "export")
+# The shards each stage reads, as (dataset, [splits]); a split's context is its MLflow input context.
+STAGE_DATA = {"pretrain": ("pretrain", ["train", "val"]), "finetune": ("finetune", ["train", "val"]),
+              "evaluate": ("finetune", ["test"]), "export": ("finetune", ["test"])}
+METRICS_DIR, MODELS_DIR = Path("metrics"), Path("models")
+
+
+_IMPORTED_MS = int(time.time() * 1000)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def process_start_ms() -> int:
+    """When this stage's process started (a stage's wall time includes imports and Ray's start)."""
+    try:
+        import psutil  # comes with Ray
+
+        return int(psutil.Process().create_time() * 1000)
+    except Exception:  # noqa: BLE001
+        return _IMPORTED_MS
+
+
+def experiment_name_tag() -> dict[str, str]:
+    name = os.environ.get(EXP_NAME_ENV)
+    return {"dvc.exp_name": name} if name else {}
+
+
+def mark_training_experiment(client, experiment) -> None:
+    """Open the experiment on its training runs (MLflow 3 otherwise may show the GenAI overview)."""
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+
+
+def pipeline_params(params: Params) -> dict[str, str]:
+    """Every params.yaml value, flattened, plus what is derived from them (world size, patch sizes)."""
+    from pipeline.cluster import world_size
+
+    flat = {k: v for k, v in flatten(params).items() if not k.startswith("mlflow.")}
+    flat.update({"world_size": world_size(params.ray), "finetune.effective_patch_size": params.finetune_patch_size,
+                 "finetune.init": params.finetune.init or "models/pretrain"})
+    return {k: _param_value(v) for k, v in flat.items()}
+
+
+def _param_value(v: Any) -> str:
+    s = json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+    return s[:6000]
+
+
+def find_or_create(client, experiment_id: str, pid: str, params: Params, tags: dict[str, str],
+                   start_ms: int) -> str:
+    """The parent run of pipeline ``pid``; a new one starts now, with the pipeline's params and tags."""
+    found = client.search_runs([experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'pipeline'",
+                               max_results=1)
+    if found:
+        run_id = found[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        for k, v in tags.items():
+            client.set_tag(run_id, k, v)
+        return run_id
+    exp_name = tags.get("dvc.exp_name")
+    run = client.create_run(experiment_id, start_time=start_ms, run_name=exp_name or f"pipeline-{pid}",
+                            tags={**tags, "kind": "pipeline", "pipeline.id": pid})
+    run_id = run.info.run_id
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in sorted(pipeline_params(params).items())]
+    for i in range(0, len(items), 100):  # log_batch takes at most 100 params
+        client.log_batch(run_id, params=items[i:i + 100])
+    return run_id
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def shard_datasets(stage: str) -> list[tuple[Any, str]]:
+    """``[(mlflow Dataset, context), ...]`` for the shards ``stage`` reads (empty if none are there)."""
+    if stage not in STAGE_DATA:
+        return []
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    from pipeline.data import read_dataset_info
+
+    name, splits = STAGE_DATA[stage]
+    shard_dir = storage.shard_dir(name)
+    try:
+        info = read_dataset_info(shard_dir)
+    except (FileNotFoundError, OSError, ValueError):
+        return []
+    manifest = storage.file_hash(storage.join(shard_dir, "manifest.parquet"))
+    location = str(shard_dir) if storage.is_url(shard_dir) else str(Path(shard_dir).resolve())
+    with warnings.catch_warnings():  # "can be interpreted in multiple ways": local paths are local
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(location)
+
+    class ShardDataset(MetaDataset):
+        """Metadata of one split of a shard directory: the tars stay where they are."""
+
+        def __init__(self, split: str):
+            self._split = split
+            super().__init__(source, name=f"{name}-{info.get('source', 'shards')}-{split}",
+                             digest=f"{manifest[:10]}-{split}")
+
+        def to_dict(self) -> dict[str, str]:
+            return {**super().to_dict(), "profile": json.dumps(self.profile)}
+
+        @property
+        def profile(self) -> dict:
+            counts = info.get("counts", {})
+            return {"split": self._split, "num_samples": counts.get(self._split),
+                    "num_classes": len(info.get("classes", [])), "counts_per_split": counts,
+                    "dataset": name, "source": info.get("source"), "manifest_sha256_16": manifest}
+
+    return [(ShardDataset(split), split) for split in splits]
+
+
+def dataset_inputs(stage: str) -> list:
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    return [DatasetInput(ds._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, ctx)])
+            for ds, ctx in shard_datasets(stage)]
+
+
+def log_datasets(client, run_ids: list[str], stage: str) -> None:
+    """The stage's shards as inputs of its run and of the pipeline run (a warning if that fails)."""
+    try:
+        inputs = dataset_inputs(stage)
+        for run_id in run_ids if inputs else ():
+            client.log_inputs(run_id, datasets=inputs)
+    except Exception as exc:  # noqa: BLE001 - an unreadable manifest must not stop the training
+        import sys
+
+        print(f"[{stage}] warning: could not log the datasets to MLflow: {exc}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- results
+
+
+def stage_results(stage: str) -> dict[str, float]:
+    """The numbers of ``metrics/<stage>.json`` worth comparing across pipelines, keyed for the parent."""
+    path = METRICS_DIR / f"{stage}.json"
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float] = {}
+    if stage in ("pretrain", "finetune"):
+        for k in ("val_top1", "val_loss", "train_loss", "train_top1", "kept_val_top1", "kept_epoch"):
+            if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool):
+                out[f"{stage}.{k}"] = float(m[k])
+    elif stage == "evaluate":
+        for k in ("top1", "top5", "loss"):
+            if isinstance(m.get(k), (int, float)):
+                out[f"test_{k}"] = float(m[k])
+        for k in ("macro_f1", "macro_precision", "macro_recall"):
+            if isinstance(m.get(k), (int, float)):
+                out[k] = float(m[k])
+        for res, v in (m.get("resolution_sweep") or {}).items():
+            out[f"top1_at_{res}px"] = float(v)
+    elif stage == "export":
+        if "passed" in m:
+            out["export.passed"] = float(bool(m["passed"]))
+        for fmt, r in (m.get("formats") or {}).items():
+            for k in ("max_abs_diff", "top1_agreement"):
+                if isinstance(r.get(k), (int, float)):
+                    out[f"export.{fmt}.{k}"] = float(r[k])
+    return out
+
+
+def log_results(client, parent: str, metrics: dict[str, float]) -> None:
+    from mlflow.entities import Metric
+
+    t = now_ms()
+    batch = [Metric(k, v, t, 0) for k, v in metrics.items()]
+    for i in range(0, len(batch), 1000):
+        client.log_batch(parent, metrics=batch[i:i + 1000])
+
+
+def _producing_run(client, stage: str):
+    """For a skipped training stage: the MLflow run that wrote models/<stage> (its id is in config.json)."""
+    try:
+        run_id = json.loads((MODELS_DIR / stage / "config.json").read_text()).get("mlflow_run_id")
+        return client.get_run(run_id) if run_id else None
+    except Exception:  # noqa: BLE001 - another store, a deleted run: the metrics file still counts
+        return None
+
+
+def _wall_s(client, run, stage: str) -> float:
+    """The stage's wall time as its own pipeline run recorded it (its process), else its run's duration."""
+    try:
+        value = client.get_run(run.data.tags["mlflow.parentRunId"]).data.metrics.get(f"{stage}.wall_s")
+    except Exception:  # noqa: BLE001
+        value = None
+    return value if value is not None else (run.info.end_time - run.info.start_time) / 1000
+
+
+def backfill_skipped(client, experiment_id: str, parent: str, pid: str, upto: str) -> None:
+    """Stages before ``upto`` (in dvc.yaml order) that did not run under this pipeline -- DVC found them up
+    to date -- get their results from their outputs (a stage that still runs later overwrites them)."""
+    ran = {r.data.tags.get("stage") for r in client.search_runs(
+        [experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'stage'", max_results=100)}
+    for stage in STAGES[:STAGES.index(upto)] if upto in STAGES else ():
+        if stage in ran:
+            continue
+        results = stage_results(stage)
+        if not results:
+            continue
+        producer = _producing_run(client, stage)
+        if producer is not None and producer.info.end_time:
+            results[f"{stage}.wall_s"] = _wall_s(client, producer, stage)
+            client.set_tag(parent, f"{stage}.run_id", producer.info.run_id)
+        log_results(client, parent, results)
+        client.set_tag(parent, f"{stage}.reused", "true")
+
+
+def stage_finished(client, parent: str, stage: str, run_id: str | None, start_ms: int, status: str) -> None:
+    """Onto the parent: the stage's wall time and (if it succeeded) results; the parent ends now."""
+    end = now_ms()
+    metrics = {f"{stage}.wall_s": (end - start_ms) / 1000}
+    if status == "FINISHED":
+        metrics.update(stage_results(stage))
+    log_results(client, parent, metrics)
+    if run_id:
+        client.set_tag(parent, f"{stage}.run_id", run_id)
+    client.set_tag(parent, f"{stage}.reused", "false")
+    client.set_tag(parent, f"{stage}.status", status)
+    client.set_terminated(parent, status, end_time=end)

@@ -1,0 +1,104 @@
+"""The pipeline (parent) MLflow run, fast: the stages' own tracking code (``stage_run``) against a real
+sqlite store in a temp directory, with real digits shards and the metrics files a stage writes."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_params
+from pipeline.tracking import stage_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch, digits_dir):
+    for var in ("MLFLOW_TRACKING_URI", "VIT_SHARDS_URL", "DVC_EXP_NAME", "DVC_ROOT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(digits_dir, tmp_path / "data/shards/finetune")
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "metrics").mkdir()
+    return tmp_path
+
+
+def _client_and_parent(workdir: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    exp = client.get_experiment_by_name("vit-pipeline")
+    parents = client.search_runs([exp.experiment_id], "tags.kind = 'pipeline'")
+    return client, exp, parents
+
+
+def _stage(name: str, params, metrics: dict | None = None, fail: bool = False) -> str:
+    with stage_run(name, params) as run:
+        if metrics is not None:
+            (Path("metrics") / f"{name}.json").write_text(json.dumps(metrics))
+        if fail:
+            raise RuntimeError("boom")
+    return run.info.run_id
+
+
+def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypatch):
+    monkeypatch.setenv("DVC_EXP_NAME", "interp-bilinear")
+    params = load_params("params.yaml", {"finetune.interpolation.mode": "bilinear"})
+    # finetune "did not run" (DVC found it up to date): its metrics file is there from before
+    (workdir / "metrics/finetune.json").write_text(json.dumps({"val_top1": 0.75, "kept_epoch": 3}))
+    ev = _stage("evaluate", params, {"top1": 0.5, "top5": 0.9, "loss": 1.2, "macro_f1": 0.45,
+                                     "resolution_sweep": {"24": 0.25, "32": 0.5}})
+    ex = _stage("export", params, {"passed": True, "formats": {"onnx": {"max_abs_diff": 1e-6,
+                                                                           "top1_agreement": 1.0}}})
+    client, exp, parents = _client_and_parent(workdir)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    (parent,) = parents
+    assert parent.info.run_name == "interp-bilinear" and parent.data.tags["dvc.exp_name"] == "interp-bilinear"
+    assert parent.info.status == "FINISHED"
+    p, m, t = parent.data.params, parent.data.metrics, parent.data.tags
+    assert p["finetune.interpolation.mode"] == "bilinear" and p["model.preset"] == "nano"
+    assert p["world_size"] == "2" and p["finetune.init"] == "models/pretrain" and "mlflow.experiment" not in p
+    assert m["test_top1"] == 0.5 and m["top1_at_24px"] == 0.25 and m["export.passed"] == 1.0
+    assert m["export.onnx.max_abs_diff"] == 1e-6 and m["macro_f1"] == 0.45
+    assert m["finetune.val_top1"] == 0.75 and t["finetune.reused"] == "true"  # filled in from its output
+    assert "pretrain.val_top1" not in m  # no metrics/pretrain.json: nothing made up
+    children = [client.get_run(i) for i in (ev, ex)]
+    assert t["evaluate.run_id"] == ev and t["export.status"] == "FINISHED"
+    assert parent.info.start_time <= min(c.info.start_time for c in children)
+    assert parent.info.end_time >= max(c.info.end_time for c in children)
+    for c in children:
+        assert c.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert m[f"{c.data.tags['stage']}.wall_s"] >= (c.info.end_time - c.info.start_time) / 1000 - 0.01
+    (ds,) = parent.inputs.dataset_inputs  # evaluate and export both read the finetune test split
+    info = json.loads((workdir / "data/shards/finetune/dataset.json").read_text())
+    profile = json.loads(ds.dataset.profile)
+    assert ds.dataset.name == "finetune-digits-test" and ds.tags[0].value == "test"
+    assert json.loads(ds.dataset.source)["uri"] == str(workdir / "data/shards/finetune")
+    assert profile["num_samples"] == info["counts"]["test"] and profile["counts_per_split"] == info["counts"]
+
+
+def test_a_failed_stage_fails_the_pipeline_run_and_a_rerun_resumes_it(workdir):
+    params = load_params("params.yaml")
+    with pytest.raises(RuntimeError):
+        _stage("export", params, fail=True)
+    _, _, (parent,) = _client_and_parent(workdir)
+    assert parent.info.status == "FAILED" and parent.data.tags["export.status"] == "FAILED"
+    assert "dvc.exp_name" not in parent.data.tags and parent.info.run_name.startswith("pipeline-")
+    _stage("export", params, {"passed": True, "formats": {}})  # same commit + params: the same pipeline
+    _, _, (again,) = _client_and_parent(workdir)
+    assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED"
+    assert again.info.end_time > parent.info.end_time and again.data.metrics["export.passed"] == 1.0
+
+
+def test_relative_sqlite_store_follows_dvc_root(tmp_path, monkeypatch):
+    """A queued experiment runs in a temp copy; its runs belong in the repository's store."""
+    from pipeline.tracking import resolve_tracking_uri
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert resolve_tracking_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("DVC_ROOT", "/srv/repo")
+    assert resolve_tracking_uri("sqlite:///mlflow.db") == "sqlite:////srv/repo/mlflow.db"
+    assert resolve_tracking_uri("sqlite:////abs/x.db") == "sqlite:////abs/x.db"
