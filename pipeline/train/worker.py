@@ -178,10 +178,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     if not cfg.verbose:
         logging.getLogger().setLevel(logging.WARNING)  # Ray Train's per-report INFO lines
     _seed(cfg.seed * 1000 + ctx.rank)
-    model = VisionTransformer(ViTConfig.from_dict(cfg.model))
-    model.load_state_dict(run.init_state)
-    model = ctx.prepare_model(model)
-    stepper = Stepper(model, cfg, ctx.device)
+    stepper = Stepper(_model(cfg, run, ctx), cfg, ctx.device)
     selection = Selection(keep=cfg.keep, patience=cfg.early_stop_patience)
     objects = {**stepper.objects(), "selection": selection}
     progress = restore(objects, ctx=ctx) or Progress()
@@ -190,10 +187,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
               f"batch {progress.batch_in_epoch}, step {progress.step}", flush=True)
     if progress.epoch >= cfg.epochs or selection.stopped:
         return
-    logger = None
-    if ctx.rank == 0 and run.run_id:
-        from pipeline.tracking import RunLogger
-        logger = RunLogger(run.tracking_uri, run.run_id)
+    logger = _run_logger(run, ctx)
     extra = {"config": cfg.model, "train_config": dataclasses.asdict(cfg)}
     batches, val_loader = _loaders(cfg, ctx, progress)
     run_start, start_step = time.time(), progress.step
@@ -217,15 +211,33 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
         if ctx.rank == 0:
             _print_epoch(cfg, metrics, eta=(time.time() - run_start) / max(1, progress.step - start_step)
                          * (cfg.epochs * cfg.steps_per_epoch - progress.step))
-            if logger:
-                logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")},
-                                   step=progress.step)
+            _log_epoch(logger, metrics, progress.step)
         checkpoint(metrics)
         if selection.stopped:
             if ctx.rank == 0:
                 print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
                       f"{selection.best:.4f} for {cfg.early_stop_patience} evaluation(s)", flush=True)
             break
+
+
+def _model(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> torch.nn.Module:
+    """The run's initial weights (the same on every rank), wrapped by the runner (DDP, device)."""
+    model = VisionTransformer(ViTConfig.from_dict(cfg.model))
+    model.load_state_dict(run.init_state)
+    return ctx.prepare_model(model)
+
+
+def _run_logger(run: LoopRun, ctx: TrainContext):
+    """Rank 0 logs into the stage's MLflow run by id (the driver owns the run)."""
+    if ctx.rank != 0 or not run.run_id:
+        return None
+    from pipeline.tracking import RunLogger
+    return RunLogger(run.tracking_uri, run.run_id)
+
+
+def _log_epoch(logger, metrics: dict, step: int) -> None:
+    if logger:
+        logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")}, step=step)
 
 
 def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress, epoch: int,
