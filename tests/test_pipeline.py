@@ -450,3 +450,30 @@ def test_dvc_exp_run_patch_and_resolution(repro):
     exp = client.get_experiment_by_name("vit-pipeline")
     ft = client.search_runs([exp.experiment_id], "tags.stage = 'finetune' and params.`model.patch_size` = '8'")
     assert len(ft) == 1 and ft[0].data.params["image_size"] == "48"
+
+
+def test_dvc_remote_push_then_a_fresh_clone_pulls_and_is_up_to_date(repro, s3_server, tmp_path):
+    """The README's DVC remote on the local S3 server: push every out, clone the repo fresh, `dvc pull`,
+    and `dvc repro` there has nothing to do; the pulled model is byte-identical. Runs last: it commits."""
+    repo, _ = repro
+    env = clean_env(**s3_server.env)  # credentials from the usual AWS variables
+
+    def dvc(*args: str, cwd: Path = repo) -> str:
+        proc = subprocess.run(["dvc", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"dvc {' '.join(args)}: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        return proc.stdout
+
+    dvc("remote", "add", "-d", "storage", f"s3://{s3_server.bucket}/dvc")
+    dvc("remote", "modify", "storage", "endpointurl", s3_server.endpoint)
+    dvc("push")
+    assert s3_server.keys("dvc/files/md5/")  # the content-addressed cache went up
+    for cmd in (["git", "add", "-A"], ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "run"]):
+        subprocess.run(cmd, cwd=repo, check=True)
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    assert not (clone / "models/finetune").exists()
+    dvc("pull", cwd=clone)
+    for out in ("models/finetune/model.safetensors", "exports/model.onnx", "data/shards/finetune/manifest.parquet"):
+        assert (clone / out).read_bytes() == (repo / out).read_bytes(), out
+    assert "up to date" in dvc("repro", cwd=clone)
+    assert dvc("status", cwd=clone).strip() == "Data and pipelines are up to date."
