@@ -71,6 +71,14 @@ def run(cmd: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def sharded_short_run(dst: Path) -> Path:
+    """A copy set up by :func:`short_run` with its pretrain shards already written (digits)."""
+    repo = make_repo(dst, edit=short_run)
+    proc = run(["python", "-m", "stages.shard", "pretrain"], repo)
+    assert proc.returncode == 0, proc.stderr
+    return repo
+
+
 def pretrain_runs(repo: Path):
     """The copy's MLflow client and its pretrain runs."""
     from mlflow.tracking import MlflowClient

@@ -15,15 +15,12 @@ import torch
 
 from pipeline.outputs import PARTIAL, staged_outputs
 from pipeline.train.context import STATE_FILE, latest_checkpoint, list_checkpoints, prune_checkpoints
-from tests.repo_copy import make_repo, pretrain_runs, run, set_params, short_run
+from tests.repo_copy import pretrain_runs, run, set_params, sharded_short_run
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    repo = make_repo(tmp_path_factory.mktemp("fail-repo"), edit=short_run)
-    proc = run(["python", "-m", "stages.shard", "pretrain"], repo)
-    assert proc.returncode == 0, proc.stderr
-    return repo
+    return sharded_short_run(tmp_path_factory.mktemp("fail-repo"))
 
 
 @pytest.mark.parametrize("updates, needles", [

@@ -11,7 +11,7 @@ import torch
 from pipeline.train.context import STATE_FILE, checkpoint_name, latest_checkpoint, list_checkpoints
 from pipeline.train.optim import accumulation, param_groups
 from tests.faults import inject_fault
-from tests.repo_copy import make_repo, pretrain_runs, run, set_params, short_run
+from tests.repo_copy import make_repo, pretrain_runs, run, set_params, sharded_short_run, short_run
 
 pytestmark = pytest.mark.slow
 STEPS_PER_EPOCH = 1257 // 64  # digits train split / global batch
@@ -19,10 +19,7 @@ STEPS_PER_EPOCH = 1257 // 64  # digits train split / global batch
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    repo = make_repo(tmp_path_factory.mktemp("train-repo"), edit=short_run)
-    proc = run(["python", "-m", "stages.shard", "pretrain"], repo)
-    assert proc.returncode == 0, proc.stderr
-    return repo
+    return sharded_short_run(tmp_path_factory.mktemp("train-repo"))
 
 
 def final_state(repo):
