@@ -34,7 +34,7 @@ def init_ray(ray_cfg: RayConfig) -> None:
     quiet = {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     for k, v in quiet.items():
         os.environ.setdefault(k, v)
-    address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(ray_cfg)
     if not address:  # one machine, no preemptible nodes: Ray Train's preemption watcher only adds a log line
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         quiet["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
@@ -55,14 +55,15 @@ def init_ray(ray_cfg: RayConfig) -> None:
         wait_for_resources(ray_cfg)
 
 
-def joins_cluster(ray_cfg: RayConfig) -> bool:
-    return bool(ray_cfg.address or os.environ.get("RAY_ADDRESS"))
+def cluster_address(ray_cfg: RayConfig) -> str | None:
+    """The cluster to join: ``ray.address``, else ``$RAY_ADDRESS`` (set for a Ray job's driver); None: one machine."""
+    return ray_cfg.address or os.environ.get("RAY_ADDRESS") or None
 
 
 def check_local_capacity(ray_cfg: RayConfig) -> None:
     """On one machine (no cluster to join), the ranks must fit it: one process per rank, the GPUs
     asked for present. Checked before any work; Ray itself would wait forever."""
-    if ray_cfg.backend == "local" or joins_cluster(ray_cfg):
+    if ray_cfg.backend == "local" or cluster_address(ray_cfg):
         return
     cpus = os.cpu_count() or 1
     if ray_cfg.num_workers > cpus:

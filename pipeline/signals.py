@@ -21,10 +21,6 @@ class StageInterrupted(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
 
 _received: list[int] = []  # what arrived: Ray turns an interrupted ray.get into a plain KeyboardInterrupt
 
