@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -109,24 +111,31 @@ class MlflowServer:
         self.url, self.data, self.proc, self.log = url, data, proc, log
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """``infra/mlflow-server.sh`` on a free loopback port (sqlite + local artifacts in a temp dir)."""
-    data = tmp_path_factory.mktemp("mlflow-server")
+@contextmanager
+def serve_mlflow(store: Path, artifacts: Path, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``infra/mlflow-server.sh`` on a free loopback port over the sqlite file ``store``; yields its
+    URL and process, stops it on exit."""
     port = free_port()
-    log = data / "server.log"
     env = clean_env(MLFLOW_PORT=str(port), MLFLOW_HOST="127.0.0.1", MLFLOW_WORKERS="1",
-                    MLFLOW_BACKEND_STORE_URI=f"sqlite:///{data}/mlflow.db",
-                    MLFLOW_ARTIFACTS_DESTINATION=str(data / "artifacts"))
+                    MLFLOW_BACKEND_STORE_URI=f"sqlite:///{store}", MLFLOW_ARTIFACTS_DESTINATION=str(artifacts))
     with open(log, "w") as out:
         proc = subprocess.Popen(["bash", str(ROOT / "infra/mlflow-server.sh")], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", timeout=120, proc=proc, log=log)
-        yield MlflowServer(url, data, proc, log)
+        yield url, proc
     finally:
         stop_group(proc)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow server (sqlite + local artifacts in a temp dir) for the session."""
+    data = tmp_path_factory.mktemp("mlflow-server")
+    log = data / "server.log"
+    with serve_mlflow(data / "mlflow.db", data / "artifacts", log) as (url, proc):
+        yield MlflowServer(url, data, proc, log)
 
 
 class S3Server:

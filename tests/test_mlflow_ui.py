@@ -6,15 +6,13 @@ Its metric values are made up (no training here); the README's picture of two re
 taken by tests/test_pipeline.py::test_compare_two_real_pipeline_runs_in_the_ui."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, compact_screenshot, ensure_chromium, param_row
+
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
 EXPERIMENT = "ui-compare"
 # name, params.yaml overrides, (train_loss, val_top1) per epoch
 RUNS = [
@@ -29,13 +27,6 @@ RUNS = [
 ]
 
 pytestmark = pytest.mark.slow
-
-
-def _ensure_chromium() -> None:
-    """Debian's chromium, which `bash scripts/test.sh` installs (visibly) before the suite runs."""
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: run the suite with `bash scripts/test.sh` (it installs it), "
-                    f"or `apt-get install chromium fonts-dejavu-core`")
 
 
 def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
@@ -65,12 +56,8 @@ def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
     return ids
 
 
-def _param_row(page, name: str):
-    return page.locator("tr").filter(has=page.locator("th", has_text=re.compile(rf"^{re.escape(name)}$")))
-
-
 def test_compare_view_shows_params_and_metrics(mlflow_server, tmp_path, monkeypatch):
-    _ensure_chromium()
+    ensure_chromium()
     screenshot = tmp_path / "mlflow-compare.png"
     from mlflow.tracking import MlflowClient
     from playwright.sync_api import sync_playwright
@@ -107,7 +94,7 @@ def test_compare_view_shows_params_and_metrics(mlflow_server, tmp_path, monkeypa
                                   "image_size": ("32", "48"), "interpolation.mode": ("bicubic", "bilinear"),
                                   "finetune.interpolation.mode": ("bicubic", "bilinear"),
                                   "world_size": ("2", "2")}.items():
-                row = _param_row(page, param)
+                row = param_row(page, param)
                 assert row.count() == 1, f"no row for param {param}"
                 cells = [c.strip() for c in row.locator("td").all_inner_texts()]
                 assert tuple(cells) == values, (param, cells)
@@ -116,15 +103,7 @@ def test_compare_view_shows_params_and_metrics(mlflow_server, tmp_path, monkeypa
             for _, _, curve in RUNS:  # the last logged value of each run
                 assert page.get_by_text(f"{curve[-1][1]:g}", exact=True).count() >= 1
 
-            # A compact picture: only differing params, no plots, no sidebar.
-            page.get_by_label("Show diff only").first.click()
-            _param_row(page, "world_size").wait_for(state="detached")
-            assert _param_row(page, "model_size").count() == 1
-            page.get_by_role("button", name=re.compile("Visualizations")).first.click()
-            if page.get_by_role("button", name="Toggle sidebar").count():
-                page.get_by_role("button", name="Toggle sidebar").first.click()
-            page.wait_for_timeout(500)
-            page.screenshot(path=str(screenshot))
+            compact_screenshot(page, screenshot, hidden="world_size", kept="model_size")
         finally:
             browser.close()
     assert screenshot.stat().st_size > 20_000

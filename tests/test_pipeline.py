@@ -221,16 +221,16 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro):
         assert {"test_top1", "macro_f1", "top1_at_24px", "top1_at_32px", "finetune.val_top1"} <= set(r.data.metrics)
 
 
-def test_compare_two_real_pipeline_runs_in_the_ui(repro, port_factory, env_factory):
+def test_compare_two_real_pipeline_runs_in_the_ui(repro):
     """Headless Chromium on a real MLflow server over the fixture's store: the experiment opens on its
     training runs; the two queued experiments' pipeline runs, compared, show the swept param and the
     accuracies training produced. The picture is the README's (VIT_UPDATE_SCREENSHOTS=1 refreshes it)."""
     from mlflow.tracking import MlflowClient
 
-    from tests.conftest import stop_group, wait_http
-    from tests.test_mlflow_ui import CHROMIUM, CHROMIUM_ARGS, _ensure_chromium, _param_row
+    from tests.browser import CHROMIUM, CHROMIUM_ARGS, compact_screenshot, ensure_chromium, param_row
+    from tests.conftest import serve_mlflow
 
-    _ensure_chromium()
+    ensure_chromium()
     from playwright.sync_api import sync_playwright
 
     repo, _ = repro
@@ -241,18 +241,8 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro, port_factory, env_facto
     if not all(runs):
         pytest.skip("needs the queued experiments of test_dvc_queue_grid_one_pipeline_run_per_experiment")
     runs = [r[0] for r in runs]
-    port = port_factory()
-    log = repo / "mlflow-server.log"
-    env = env_factory(MLFLOW_PORT=str(port), MLFLOW_HOST="127.0.0.1", MLFLOW_WORKERS="1",
-                      MLFLOW_BACKEND_STORE_URI=f"sqlite:///{repo}/mlflow.db",
-                      MLFLOW_ARTIFACTS_DESTINATION=str(repo / "mlartifacts"))
-    with open(log, "w") as out:
-        server = subprocess.Popen(["bash", str(ROOT / "infra/mlflow-server.sh")], env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     screenshot = repo / "mlflow-compare.png"
-    try:
-        wait_http(url + "/health", timeout=120, proc=server, log=log)
+    with serve_mlflow(repo / "mlflow.db", repo / "mlartifacts", repo / "mlflow-server.log") as (url, _):
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
@@ -281,24 +271,15 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro, port_factory, env_facto
                 page.get_by_role("button", name="Compare").click()
                 page.get_by_text("Comparing 2 Runs").wait_for()
                 assert all(r.info.run_id in page.url for r in runs), page.url
-                cells = [c.strip() for c in _param_row(page, "finetune.interpolation.mode").locator("td")
+                cells = [c.strip() for c in param_row(page, "finetune.interpolation.mode").locator("td")
                          .all_inner_texts()]
                 assert cells == ["bilinear", "nearest"], cells
                 for r in runs:  # the accuracies training produced, as MLflow shows them
                     value = r.data.metrics["test_top1"]
                     assert page.get_by_text(re.compile(rf"^{value:.5g}")).count() >= 1, value
-                page.get_by_label("Show diff only").first.click()
-                _param_row(page, "model.preset").wait_for(state="detached")
-                assert _param_row(page, "finetune.interpolation.mode").count() == 1
-                page.get_by_role("button", name=re.compile("Visualizations")).first.click()
-                if page.get_by_role("button", name="Toggle sidebar").count():
-                    page.get_by_role("button", name="Toggle sidebar").first.click()
-                page.wait_for_timeout(500)
-                page.screenshot(path=str(screenshot))
+                compact_screenshot(page, screenshot, hidden="model.preset", kept="finetune.interpolation.mode")
             finally:
                 browser.close()
-    finally:
-        stop_group(server)
     assert screenshot.stat().st_size > 20_000
     if os.environ.get("VIT_UPDATE_SCREENSHOTS") == "1":
         import shutil
