@@ -58,7 +58,7 @@ ensure_token() {
 head_pids() {
   [[ -s $dir/sid ]] || return 0
   # still ours? (a member still names our temp dir; guards against a recycled session id)
-  ps -o args= -s "$(cat "$dir/sid")" 2>/dev/null | grep -qF -- "$dir/ray" || return 0
+  ps -ww -o args= -s "$(cat "$dir/sid")" 2>/dev/null | grep -qF -- "$dir/ray" || return 0
   ps -eo pid=,ppid=,sid= | awk -v g="$(cat "$dir/sid")" -v self=$$ '
     { pid[NR] = $1; ppid[NR] = $2; sid[NR] = $3 }
     END {

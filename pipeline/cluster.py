@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 from pipeline.config import ConfigError, RayConfig
 from pipeline.signals import raise_on_signals
@@ -43,16 +46,48 @@ def init_ray(ray_cfg: RayConfig) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        check_local_capacity(ray_cfg)
-        if not ray_cfg.verbose:  # "token auth enabled by default": moot for a 127.0.0.1-only cluster
-            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls.
-        # cpus_per_worker may exceed the cores (a cluster recipe tried on a laptop): Ray is told it has them.
-        ray.init(num_cpus=max(ray_cfg.num_workers * ray_cfg.cpus_per_worker, os.cpu_count() or 1), include_dashboard=True,
-                 dashboard_host="127.0.0.1", **kwargs)
+        _start_local(ray_cfg, kwargs)
     raise_on_signals()  # ray.init replaced the SIGTERM handler with one that aborts
     if address:
         wait_for_resources(ray_cfg)
+
+
+def _start_local(ray_cfg: RayConfig, kwargs: dict) -> None:
+    """A Ray instance for this stage alone, its dashboard on a free loopback port."""
+    import ray
+
+    check_local_capacity(ray_cfg)
+    if not ray_cfg.verbose:  # "token auth enabled by default": moot for a 127.0.0.1-only cluster
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls. Its actors
+    # find that API by looking for "the" Ray instance on the machine and die with a traceback when
+    # there are several (another stage, a `dvc queue` worker, a head): so they are told where it is.
+    port = _free_port()
+    kwargs["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    # cpus_per_worker may exceed the cores (a cluster recipe tried on a laptop): Ray is told it has them.
+    ray.init(num_cpus=max(ray_cfg.num_workers * ray_cfg.cpus_per_worker, os.cpu_count() or 1), include_dashboard=True,
+             dashboard_host="127.0.0.1", dashboard_port=port, **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def ray_cluster(ray_cfg: RayConfig) -> Iterator[None]:
+    """:func:`init_ray`, and on a signal inside, leave Ray before the stage prints its last line: Ray's own
+    exit hook would print after it the forwarded logs of actors dying with the run (Ray Train's
+    placement-group cleaner, say)."""
+    init_ray(ray_cfg)
+    try:
+        yield
+    except KeyboardInterrupt:
+        import ray
+
+        ray.shutdown()
+        raise
 
 
 def cluster_address(ray_cfg: RayConfig) -> str | None:

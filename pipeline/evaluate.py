@@ -51,15 +51,15 @@ def distributed_predict(model: VisionTransformer, shard_dir, split: str, params:
     if params.ray.backend == "local":
         return predict_split(model, shard_dir, split, **kwargs)
     import ray
-    from pipeline.cluster import init_ray
+    from pipeline.cluster import ray_cluster
 
-    init_ray(params.ray)
     world = params.ray.num_workers
-    state = ray.put({k: v.detach().cpu() for k, v in model.state_dict().items()})
-    res = worker_resources(params.ray)
-    task = ray.remote(_predict_rank).options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0))
-    parts = ray.get([task.remote(state, model.config.to_dict(), storage.worker_path(shard_dir), split, kwargs,
-                                 rank, world) for rank in range(world)])
+    with ray_cluster(params.ray):
+        state = ray.put({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        res = worker_resources(params.ray)
+        task = ray.remote(_predict_rank).options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0))
+        parts = ray.get([task.remote(state, model.config.to_dict(), storage.worker_path(shard_dir), split, kwargs,
+                                     rank, world) for rank in range(world)])
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 

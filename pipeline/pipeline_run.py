@@ -58,6 +58,15 @@ def mark_training_experiment(client, experiment) -> None:
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
 
+def ui_link(tracking_uri: str, experiment_id: str) -> str:
+    """Where to look at the experiment's runs. MLflow 3.17's UI takes its GenAI or model-training view
+    from ``?workflowType=`` or its own switch, not from :data:`EXPERIMENT_KIND_TAG`, so the link says."""
+    page = f"/#/experiments/{experiment_id}?workflowType=machine_learning"
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/") + page
+    return f"mlflow ui --backend-store-uri {tracking_uri}, then http://127.0.0.1:5000{page}"
+
+
 def pipeline_params(params: Params) -> dict[str, str]:
     """Every params.yaml value, flattened, plus what is derived from them (world size, patch sizes)."""
     from pipeline.cluster import world_size

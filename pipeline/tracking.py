@@ -141,6 +141,8 @@ def _finish_parent(client, experiment_id: str, parent: str, pid: str, stage: str
         if status == "FINISHED":
             pipeline_run.backfill_skipped(client, experiment_id, parent, pid, stage)
         pipeline_run.stage_finished(client, parent, stage, run_id, start_ms, status)
+        if status == "FINISHED":
+            print(f"[{stage}] MLflow runs: {pipeline_run.ui_link(client.tracking_uri, experiment_id)}", flush=True)
     except Exception as exc:  # noqa: BLE001 - tracking trouble must not fail a finished stage
         import sys
 

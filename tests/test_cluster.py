@@ -12,6 +12,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -213,10 +214,32 @@ def test_stage_on_a_too_small_cluster_waits_then_names_what_is_missing(ray_head,
     assert "Traceback" not in proc.stderr and not (tmp_path / "ws/models/pretrain").exists()
 
 
+_STATE_API_PROBE = """
+import ray, ray.util.state
+from pipeline.cluster import init_ray
+from pipeline.config import RayConfig
+init_ray(RayConfig(num_workers=1))
+print("actors seen from a task:", ray.get(ray.remote(lambda: len(ray.util.state.list_actors()))
+                                           .options(num_cpus=0).remote()))
+"""
+
+
+@pytest.mark.slow
+def test_local_stage_beside_another_ray_finds_its_own_state_api(ray_head, env_factory):
+    """A stage's own Ray, with another Ray running on the machine (this head): its tasks and actors still
+    reach their own state API, as Ray Train's placement-group cleaner polls it every second (it died
+    with "Found multiple active Ray instances", a traceback on the stage's console)."""
+    proc = subprocess.run([sys.executable, "-c", _STATE_API_PROBE], cwd=ROOT, env=env_factory(),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "actors seen from a task: 0" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
 def test_stop_frees_the_head_ports(ray_head):
-    """Runs last in this module: stop the head explicitly, check that its ports are released."""
-    env = ray_head["env"]
+    """Runs last in this module: stop the head explicitly, check that its ports are released. In a
+    narrow terminal too (ps cut its command lines at $COLUMNS, and stop found no head to stop)."""
+    env = {**ray_head["env"], "COLUMNS": "80"}
     out = subprocess.run(["bash", str(ROOT / "infra/ray-head.sh"), "stop"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "stopped" in out.stdout, out.stdout + out.stderr

@@ -75,6 +75,7 @@ def test_outputs_and_metrics(repro):
     history = (repo / "plots/pretrain_history.csv").read_text().splitlines()
     assert len(history) == 1 + 2  # header + 2 epochs
     assert "epoch 2/2" in proc.stdout and "img/s" in proc.stdout and "ETA" in proc.stdout
+    assert f"[export] MLflow runs: mlflow ui --backend-store-uri sqlite:///{repo}/mlflow.db" in proc.stdout
 
 
 def test_mlflow_runs(repro):

@@ -43,7 +43,7 @@ def _stage(name: str, params, metrics: dict | None = None, fail: bool = False) -
     return run.info.run_id
 
 
-def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypatch):
+def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypatch, capsys):
     monkeypatch.setenv("DVC_EXP_NAME", "interp-bilinear")
     params = load_params("params.yaml", {"finetune.interpolation.mode": "bilinear"})
     # finetune "did not run" (DVC found it up to date): its metrics file is there from before
@@ -54,6 +54,9 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
                                                                            "top1_agreement": 1.0}}})
     client, exp, parents = _client_and_parent(workdir)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    link = (f"[export] MLflow runs: mlflow ui --backend-store-uri sqlite:///{workdir}/mlflow.db, then "
+            f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}?workflowType=machine_learning")
+    assert link in capsys.readouterr().out.splitlines()  # the UI's model-training view (README)
     (parent,) = parents
     assert parent.info.run_name == "interp-bilinear" and parent.data.tags["dvc.exp_name"] == "interp-bilinear"
     assert parent.info.status == "FINISHED"
@@ -79,10 +82,11 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
     assert profile["num_samples"] == info["counts"]["test"] and profile["counts_per_split"] == info["counts"]
 
 
-def test_a_failed_stage_fails_the_pipeline_run_and_a_rerun_resumes_it(workdir):
+def test_a_failed_stage_fails_the_pipeline_run_and_a_rerun_resumes_it(workdir, capsys):
     params = load_params("params.yaml")
     with pytest.raises(RuntimeError):
         _stage("export", params, fail=True)
+    assert "MLflow runs:" not in capsys.readouterr().out
     _, _, (parent,) = _client_and_parent(workdir)
     assert parent.info.status == "FAILED" and parent.data.tags["export.status"] == "FAILED"
     assert "dvc.exp_name" not in parent.data.tags and parent.info.run_name.startswith("pipeline-")
@@ -102,3 +106,10 @@ def test_relative_sqlite_store_follows_dvc_root(tmp_path, monkeypatch):
     monkeypatch.setenv("DVC_ROOT", "/srv/repo")
     assert resolve_tracking_uri("sqlite:///mlflow.db") == "sqlite:////srv/repo/mlflow.db"
     assert resolve_tracking_uri("sqlite:////abs/x.db") == "sqlite:////abs/x.db"
+
+
+def test_ui_link_opens_the_model_training_view():
+    from pipeline.pipeline_run import ui_link
+
+    assert ui_link("http://mlflow.internal:5000/", "7") == (
+        "http://mlflow.internal:5000/#/experiments/7?workflowType=machine_learning")

@@ -152,15 +152,25 @@ def _fit_local(spec: RunSpec, run: LoopRun, params: Params, run_dir: str) -> tup
 
 def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str, storage_fs) -> tuple[dict, str]:
     """The final checkpoint's state and where it is."""
+    from pipeline.cluster import ray_cluster
+
+    with ray_cluster(params.ray):
+        result = _ray_trainer(spec, run, params, storage_path, storage_fs).fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"[{spec.stage}] Ray run {spec.run_name} finished without a checkpoint")
+    with result.checkpoint.as_directory() as d:  # a temporary local copy when the storage is remote
+        return load_state(d), str(result.checkpoint.path)
+
+
+def _ray_trainer(spec: RunSpec, run: LoopRun, params: Params, storage_path: str, storage_fs):
+    """A TorchTrainer running the loop on ``ray.num_workers`` ranks, checkpointing into ``storage_path``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from pipeline.cluster import init_ray
     from pipeline.train.worker import train_loop_per_worker
 
-    init_ray(params.ray)
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": spec.loop, "run": dataclasses.replace(run, init_state=ray.put(run.init_state))},
         scaling_config=ScalingConfig(num_workers=params.ray.num_workers, use_gpu=params.ray.use_gpu,
@@ -171,11 +181,6 @@ def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str, sto
             failure_config=FailureConfig(max_failures=params.ray.max_failures),
             logging_config=LoggingConfig(log_level="INFO" if params.ray.verbose else "WARNING")),
     )
-    result = trainer.fit()
-    if result.checkpoint is None:
-        raise RuntimeError(f"[{spec.stage}] Ray run {spec.run_name} finished without a checkpoint")
-    with result.checkpoint.as_directory() as d:  # a temporary local copy when the storage is remote
-        return load_state(d), str(result.checkpoint.path)
 
 
 def write_history(history: list[dict], csv_path: str | Path) -> None:
