@@ -65,8 +65,10 @@ def _start_local(ray_cfg: RayConfig, kwargs: dict) -> None:
     port = _free_port()
     kwargs["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     # cpus_per_worker may exceed the cores (a cluster recipe tried on a laptop): Ray is told it has them.
-    ray.init(num_cpus=max(ray_cfg.num_workers * ray_cfg.cpus_per_worker, os.cpu_count() or 1), include_dashboard=True,
-             dashboard_host="127.0.0.1", dashboard_port=port, **kwargs)
+    # address="local": a new instance even where `ray start --head` left its address for ray.init() to join.
+    cpus = max(ray_cfg.num_workers * ray_cfg.cpus_per_worker, os.cpu_count() or 1)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=port, **kwargs)
 
 
 def _free_port() -> int:

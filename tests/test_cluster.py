@@ -225,12 +225,19 @@ print("actors seen from a task:", ray.get(ray.remote(lambda: len(ray.util.state.
 
 
 @pytest.mark.slow
-def test_local_stage_beside_another_ray_finds_its_own_state_api(ray_head, env_factory):
-    """A stage's own Ray, with another Ray running on the machine (this head): its tasks and actors still
-    reach their own state API, as Ray Train's placement-group cleaner polls it every second (it died
-    with "Found multiple active Ray instances", a traceback on the stage's console)."""
-    proc = subprocess.run([sys.executable, "-c", _STATE_API_PROBE], cwd=ROOT, env=env_factory(),
-                          capture_output=True, text=True, timeout=180)
+def test_local_stage_beside_another_ray_finds_its_own_state_api(ray_head, env_factory, tmp_path):
+    """``ray.address: null`` with another Ray on the machine (this head, its address left where a plain
+    `ray start --head` leaves it): the stage starts its own Ray instead of joining that one, and its
+    tasks and actors reach their own state API, as Ray Train's placement-group cleaner polls it every
+    second (it died with "Found multiple active Ray instances", a traceback on the stage's console)."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))  # short: Ray's unix sockets live under it
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray/ray_current_cluster").write_text(f"127.0.0.1:{ray_head['ports']['RAY_PORT']}")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _STATE_API_PROBE], cwd=ROOT, env=env_factory(RAY_TMPDIR=str(ray_tmp)),
+                              capture_output=True, text=True, timeout=180)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0 and "actors seen from a task: 0" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
