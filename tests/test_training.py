@@ -244,9 +244,13 @@ def test_keep_best_of_raw_and_ema_and_stop_early(tmp_path):
     from pipeline.model import load_model
     from pipeline.train.selection import candidate
 
+    EPOCHS = 40
+
     def edit(raw):
         raw = short_run(raw)
-        raw["pretrain"].update(epochs=8, lr=0.01, ema_decay=0.99, keep="best", early_stop_patience=1,
+        # enough epochs that the val curve surely stalls once before the end (it climbed for 8 in a row
+        # once); the run stops there, so the epochs it does not need cost nothing
+        raw["pretrain"].update(epochs=EPOCHS, lr=0.01, ema_decay=0.99, keep="best", early_stop_patience=1,
                                checkpoint_every_steps=None)
         raw["ray"]["backend"] = "local"
         return raw
@@ -259,7 +263,7 @@ def test_keep_best_of_raw_and_ema_and_stop_early(tmp_path):
     scores = [candidate({k: float(v) for k, v in r.items() if k.startswith("val_top1")}) for r in rows]
     best_so_far = [max(s for _, s in scores[:i]) for i in range(1, len(scores) + 1)]
     stop = next(i for i in range(1, len(scores)) if scores[i][1] <= best_so_far[i - 1]) + 1
-    assert summary["stopped_epoch"] == stop == len(rows) < 8 and "early stop after epoch" in proc.stdout
+    assert summary["stopped_epoch"] == stop == len(rows) < EPOCHS and "early stop after epoch" in proc.stdout
     kept = max(range(len(scores)), key=lambda i: (scores[i][1], -i))
     assert summary["kept_epoch"] == kept + 1 and summary["kept_source"] == scores[kept][0]
     model, meta = load_model(repo / "models/pretrain")
