@@ -130,6 +130,9 @@ def test_selection_keeps_the_better_weights_best_or_last_and_stops_early():
     assert best.kept == {"epoch": 4, "step": 40, "source": "ema", "val_top1": 0.95,
                          "reason": "keep: best: ema weights of the best evaluation (val top-1 EMA 0.9500 vs raw 0.9100)"}
     assert not best.stopped and best.stale == 1
+    at_the_end = copy.deepcopy(best)
+    at_the_end.update(_evals((0.1, 0.2))[0] | {"epoch": 6}, images=600, last=True)
+    assert not at_the_end.stopped and at_the_end.stale == 2  # out of patience on the last epoch: no early stop
     best.update(_evals((0.1, 0.2))[0] | {"epoch": 6}, images=600)
     assert best.stopped and best.stopped_epoch == 6
     s = summary(best)

@@ -28,8 +28,9 @@ class Selection:
     wall_time_s: float = 0.0         # training + evaluation time so far, over every launch of the run
     weights: Optional[dict] = field(default=None, repr=False)  # the kept state dict (rank 0, CPU)
 
-    def update(self, metrics: dict, *, images: int) -> bool:
-        """Take an evaluated epoch's metrics; True when the weights to keep are this epoch's."""
+    def update(self, metrics: dict, *, images: int, last: bool = False) -> bool:
+        """Take an evaluated epoch's metrics; True when the weights to keep are this epoch's.
+        ``last``: the run ends with this epoch anyway, so running out of patience is no early stop."""
         source, score, time_s = *candidate(metrics), self.wall_time_s
         epoch, step = metrics["epoch"], metrics["step"]
         for level in THRESHOLDS:
@@ -37,7 +38,7 @@ class Selection:
                 self.reached[str(level)] = {"epoch": epoch, "step": step, "time_s": time_s, "images": images}
         improved = score > self.best
         self.best, self.stale = (score, 0) if improved else (self.best, self.stale + 1)
-        if self.patience is not None and self.stale >= self.patience:
+        if self.patience is not None and self.stale >= self.patience and not last:
             self.stopped_epoch = epoch
         if self.keep == "best" and not improved:
             return False

@@ -108,9 +108,9 @@ class Stepper:
         return loss_sum, correct
 
 
-def _select(selection: Selection, metrics: dict, stepper: Stepper, keep_weights: bool) -> None:
+def _select(selection: Selection, metrics: dict, stepper: Stepper, keep_weights: bool, last: bool) -> None:
     """After an evaluation: let the selection see it, and copy the weights it now keeps (rank 0)."""
-    if selection.update(metrics, images=metrics["images_seen"]) and keep_weights:
+    if selection.update(metrics, images=metrics["images_seen"], last=last) and keep_weights:
         net = stepper.ema.module if selection.kept["source"] == "ema" else unwrap(stepper.model)
         selection.weights = {k: v.detach().to("cpu", copy=True) for k, v in net.state_dict().items()}
 
@@ -205,7 +205,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
         metrics.update(wall_time_s=selection.wall_time_s,
                        images_seen=progress.step * cfg.per_worker_batch * ctx.world_size)
         if "val_top1" in metrics:
-            _select(selection, metrics, stepper, keep_weights=ctx.rank == 0)
+            _select(selection, metrics, stepper, keep_weights=ctx.rank == 0, last=epoch + 1 == cfg.epochs)
         progress.history.append(metrics)
         progress.epoch, progress.batch_in_epoch = epoch + 1, 0
         if ctx.rank == 0:
