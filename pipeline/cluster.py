@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -37,6 +38,8 @@ def init_ray(ray_cfg: RayConfig) -> None:
     quiet = {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     for k, v in quiet.items():
         os.environ.setdefault(k, v)
+    if not sys.stdout.isatty():  # a log file or CI: the "(RayTrainWorker pid=…)" prefix without colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     address = cluster_address(ray_cfg)
     if not address:  # one machine, no preemptible nodes: Ray Train's preemption watcher only adds a log line
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
