@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -25,27 +24,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import ConfigError, DataConfig, load_params  # noqa: E402
-from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
+from benchmarks.cifar import cifar_shards  # noqa: E402
+from pipeline.config import ConfigError, load_params  # noqa: E402
+from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
 from pipeline.data.transforms import with_dataset_stats  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.driver import prepare_run  # noqa: E402
 from pipeline.train.worker import Stepper  # noqa: E402
 
-CIFAR_TGZ = ROOT.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # dense, per GPU
-
-
-def cifar_shards(out: Path) -> Path:
-    """CIFAR-10 train+test from the shared tarball, sharded like the recipe (once, outside the repo)."""
-    if not (out / "dataset.json").exists():
-        raw = out.parent / (out.name + "-jpg")
-        if not (raw / "train").is_dir():
-            with tarfile.open(CIFAR_TGZ) as tf:
-                tf.extractall(raw, filter="data")
-        shard_dataset(out, DataConfig(source="imagefolder", root=raw, val_fraction=0.02, maxcount=5000))
-    return out
 
 
 def sync(device: torch.device) -> None:
@@ -94,7 +82,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating model-alone / loop rounds")
     args = ap.parse_args()
 
-    overrides = recipe_overrides(args.recipe, args.set) if args.recipe else recipe_overrides_from(args.set)
+    overrides = recipe_overrides(args.recipe, args.set)
     overrides["ray.backend"] = "local"  # one rank: the whole global batch on this device
     try:
         params = load_params(args.params, overrides=overrides)
@@ -129,11 +117,6 @@ def main() -> None:
               f"feed ratio {fed[-1] / alone[-1]:.3f}", flush=True)
     report(args, params, loop, device, statistics.median(alone), statistics.median(fed),
            flops / len(labels))
-
-
-def recipe_overrides_from(sets: list[str]) -> dict:
-    import yaml
-    return {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in sets)}
 
 
 def report(args, params, loop, device, alone: float, fed: float, flops_per_image: float) -> None:

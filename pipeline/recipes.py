@@ -16,13 +16,15 @@ import yaml
 from pipeline.config import ConfigError, flatten, load_params
 
 
-def recipe_overrides(path: str, sets: list[str] = ()) -> dict[str, object]:
-    """Flattened ``{dotted.key: value}`` of the recipe, then ``--set key=value`` on top.
+def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object]:
+    """Flattened ``{dotted.key: value}`` of the recipe (none: ``path`` None), then ``--set key=value`` on top.
 
     A dict-valued leaf such as ``augment`` is replaced whole, as DVC's ``-S`` does.
     """
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    raw = {}
+    if path is not None:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
     flat: dict[str, object] = {}
     for section, body in raw.items():
         for key, value in flatten(body, section).items():

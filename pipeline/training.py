@@ -8,7 +8,6 @@ import dataclasses
 import math
 from pathlib import Path
 
-import mlflow
 import torch
 
 from pipeline.config import Params, TrainConfig
@@ -20,7 +19,7 @@ from pipeline.plots import plot_history
 from pipeline import storage
 from pipeline.tracking import stage_run
 from pipeline.cluster import world_size
-from pipeline.train.driver import TrainResult, fit, prepare_run, write_history
+from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
 
@@ -33,24 +32,29 @@ def _extra_params(params: Params, recipe: TrainConfig, model: VisionTransformer,
             "num_classes": len(info["classes"])}
 
 
+def plan_stage(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer, shard_dir: str | Path,
+               info: dict) -> tuple[TrainConfig, RunSpec]:
+    """The stage's recipe with the dataset's mean/std filled in ("dataset" -> numbers) and its run."""
+    recipe = dataclasses.replace(recipe, augment=with_dataset_stats(recipe.augment, info))
+    return recipe, prepare_run(stage, params, recipe, model, str(shard_dir))
+
+
 def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
                     shard_dir: str | Path, info: dict, extra: dict) -> dict:
-    recipe = dataclasses.replace(recipe, augment=with_dataset_stats(recipe.augment, info))  # "dataset" -> numbers
+    import mlflow  # here, not at the top: benchmarks/time_to_accuracy.py imports this module without MLflow
+
     tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")), "dataset.source": info["source"]}
-    spec = prepare_run(stage, params, recipe, model, str(shard_dir))
+    recipe, spec = plan_stage(stage, params, recipe, model, shard_dir, info)
     model_dir, metrics_file = MODELS / stage, METRICS / f"{stage}.json"
     history_csv, curves_png = PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png"
     with staged_outputs(model_dir, metrics_file, history_csv, curves_png) as out, \
             stage_run(stage, params, extra_params={**_extra_params(params, recipe, model, info), **extra},
                       tags=tags, resume_key=spec.run_name, system_metrics=True) as run:
         result = fit(spec, params, model, run_id=run.info.run_id)
-        summary = _summary(result)
+        summary = stage_summary(result)
         mlflow.log_metrics({k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))})
         mlflow.set_tags({"kept_weights": result.selection.kept["source"], "kept_reason": result.selection.kept["reason"]})
-        aug = resolve_augment(recipe.augment)
-        meta = {"classes": info["classes"], "image_size": recipe.image_size,
-                "normalize": {k: aug[k] for k in ("mean", "std")},
-                "stage": stage, "ray_run": result.run_name, "mlflow_run_id": run.info.run_id}
+        meta = {**model_meta(stage, recipe, info, result.run_name), "mlflow_run_id": run.info.run_id}
         save_model(result.model, out[model_dir], extra=meta)
         atomic_write_json(out[metrics_file], summary)
         write_history(result.history, out[history_csv])
@@ -63,7 +67,14 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
     return summary
 
 
-def _summary(result: TrainResult) -> dict:
+def model_meta(stage: str, recipe: TrainConfig, info: dict, run_name: str) -> dict:
+    """What config.json keeps beside the weights: what evaluate, export and predict need to feed the model."""
+    aug = resolve_augment(recipe.augment)
+    return {"classes": info["classes"], "image_size": recipe.image_size,
+            "normalize": {k: aug[k] for k in ("mean", "std")}, "stage": stage, "ray_run": run_name}
+
+
+def stage_summary(result: TrainResult) -> dict:
     """metrics/<stage>.json: the last epoch's numbers and which weights were kept."""
     final = result.history[-1]
     summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema", "step",
@@ -75,16 +86,22 @@ def pretrain(params: Params) -> dict:
     """Train a ViT from scratch on the pretrain shards."""
     shard_dir = storage.shard_dir("pretrain")
     info = read_dataset_info(shard_dir)
-    torch.manual_seed(params.pretrain.seed)
-    model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=len(info["classes"]))
+    model = pretrain_start(params, len(info["classes"]))
     return _train_and_save("pretrain", params, params.pretrain, model, shard_dir, info, {})
 
 
-def load_finetune_start(params: Params, num_classes: int) -> VisionTransformer:
-    """Pretrained weights (or an external file), new head, moved to the fine-tune resolution/patch."""
+def pretrain_start(params: Params, num_classes: int) -> VisionTransformer:
+    """A fresh model from ``pretrain.seed``: the same weights, so the same run hash, on every launch."""
+    torch.manual_seed(params.pretrain.seed)
+    return build_model(params.model, image_size=params.pretrain.image_size, num_classes=num_classes)
+
+
+def load_finetune_start(params: Params, num_classes: int, pretrained: Path = MODELS / "pretrain") -> VisionTransformer:
+    """Pretrained weights (``pretrained``: the pretrain stage's model directory, unless ``finetune.init``
+    names an external file or ``scratch``), new head, moved to the fine-tune resolution/patch."""
     ft = params.finetune
     if ft.init is None:
-        model, _ = load_model(MODELS / "pretrain")
+        model, _ = load_model(pretrained)
     elif ft.init == "scratch":  # ablation: the same fine-tune without pretraining
         torch.manual_seed(ft.seed)
         model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=num_classes)

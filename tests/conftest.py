@@ -94,6 +94,15 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, lo
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s: {log.read_text()[-3000:] if log else ''}")
 
 
+def run_without_ray_mlflow_dvc(script: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python script args`` in the repository root with the imports of Ray, MLflow and DVC blocked,
+    as on the lent GPU machine, where they are not installed."""
+    blocked = ("import runpy, sys\nfor m in ('ray', 'mlflow', 'dvc'): sys.modules[m] = None\n"
+               "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", blocked, script, *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def port_factory():
     """``port_factory()`` -> a free loopback TCP port."""

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from pipeline.config import TrainConfig
 from pipeline.model import build_vit
 from pipeline.train.loop_config import LoopConfig
 from pipeline.train.worker import Stepper
-from tests.conftest import ROOT
+from tests.conftest import run_without_ray_mlflow_dvc
 
 
 def _cfg(model: dict, **kw) -> LoopConfig:
@@ -64,11 +62,8 @@ def test_accumulated_step_equals_one_big_step():
 def test_throughput_benchmark_runs_on_cpu(digits_dir):
     """The README's benchmark command, shortened: it measures both sides and prints the feed ratio,
     and runs where Ray, MLflow and DVC are not installed (as on the lent GPU machine)."""
-    blocked = ("import runpy, sys\nfor m in ('ray', 'mlflow', 'dvc'): sys.modules[m] = None\n"
-               "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", blocked, "benchmarks/train_throughput.py", "--shards", str(digits_dir),
-                           "--steps", "2", "--rounds", "1", "--set", "ray.loader_workers=1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_without_ray_mlflow_dvc("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "2",
+                                      "--rounds", "1", "--set", "ray.loader_workers=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in proc.stdout.splitlines() if ":" in line}
     alone = float(lines["median model alone"].split()[0])

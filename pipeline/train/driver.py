@@ -105,15 +105,17 @@ def step_hooks_from_env() -> tuple[str, ...]:
     return tuple(s.strip() for s in os.environ.get("VIT_STEP_HOOKS", "").split(",") if s.strip())
 
 
-def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str | None = None) -> TrainResult:
-    """Run (or continue) the planned run on the configured backend; load its final weights into ``model``."""
+def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str | None = None,
+        step_hooks: tuple[str, ...] = ()) -> TrainResult:
+    """Run (or continue) the planned run on the configured backend; load its final weights into ``model``.
+    ``step_hooks`` (``module:function[=argument]``) are called with ``$VIT_STEP_HOOKS``'s."""
     from pipeline.tracking import resolve_tracking_uri
 
     storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
     run_dir = None if storage_fs is not None or storage.is_url(storage_path) else str(Path(storage_path) / spec.run_name)
     run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=resolve_tracking_uri(params.tracking_uri),
                   resume_from=latest_checkpoint(run_dir) if run_dir else None,
-                  step_hooks=step_hooks_from_env())
+                  step_hooks=step_hooks_from_env() + tuple(step_hooks))
     loop, world = spec.loop, world_size(params.ray)
     print(f"[{spec.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
           f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "

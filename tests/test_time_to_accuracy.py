@@ -1,0 +1,68 @@
+"""benchmarks/time_to_accuracy.py, the README's one GPU command, shrunk to the digits shards on the CPU
+with Ray, MLflow and DVC blocked (as on the lent GPU box): a time budget stops it at an epoch
+boundary, the same command continues, a finished run is not retrained, and its test top-1 is what
+the evaluate stage's own prediction of the saved weights gives."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pipeline.data import read_dataset_info
+from pipeline.evaluate import predict_split
+from pipeline.model import load_model
+from tests.conftest import run_without_ray_mlflow_dvc
+
+SCRIPT = "benchmarks/time_to_accuracy.py"
+TINY = ("--set", "model.depth=1", "--set", "pretrain.epochs=2", "--set", "finetune.epochs=1",
+        "--set", "ray.loader_workers=0")
+TRAINED = re.compile(r"^\[\w+\] epoch \d+/\d+ ", re.M)  # the loop's line after each trained epoch
+
+
+def saved_test_top1(model_dir: str, shard_dir) -> tuple[float, int]:
+    """Test top-1 and sample count of the saved weights, predicted as the evaluate stage predicts."""
+    model, meta = load_model(model_dir)
+    logits, labels = predict_split(model, shard_dir, "test", image_size=meta["image_size"], batch_size=256,
+                                   normalize=meta["normalize"])
+    return (logits.argmax(1) == labels).sum().item() / labels.numel(), labels.numel()
+
+
+@pytest.mark.slow
+def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
+    out = tmp_path / "tta.json"
+    command = ("--shards", digits_dir, "--workdir", tmp_path / "work", *TINY, "--max-minutes", "0", "--out", out)
+
+    first = run_without_ray_mlflow_dvc(SCRIPT, *command)
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert "run the same command again" in first.stdout and not out.exists()
+    assert TRAINED.findall(first.stdout) == ["[pretrain] epoch 1/2 "]  # stopped at the epoch boundary
+
+    second = run_without_ray_mlflow_dvc(SCRIPT, *command)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "[pretrain] resumed from checkpoint: epoch 1, batch 0" in second.stdout
+    assert TRAINED.findall(second.stdout) == ["[pretrain] epoch 2/2 ", "[finetune] epoch 1/1 "]
+    report = json.loads(out.read_text())
+    assert 0.0 <= report["test_top1"] <= 1.0 and report["test_loss"] > 0
+    assert f"test     : top-1 {report['test_top1']:.4f}" in second.stdout
+    assert report["test_images"] == read_dataset_info(digits_dir)["counts"]["test"]
+    assert (report["stages"]["pretrain"]["epochs"], report["stages"]["finetune"]["epochs"]) == (2, 1)
+    assert all(s["wall_time_s"] > 0 for s in report["stages"].values())
+    top1, count = saved_test_top1(report["model_dir"], digits_dir)
+    assert count == report["test_images"] and top1 == pytest.approx(report["test_top1"], abs=1e-12)
+
+    third = run_without_ray_mlflow_dvc(SCRIPT, *command)  # both runs finished: nothing to train
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert TRAINED.findall(third.stdout) == []
+    again = json.loads(out.read_text())
+    assert {k: v for k, v in again.items() if k != "command_wall_time_s"} == \
+        {k: v for k, v in report.items() if k != "command_wall_time_s"}  # same wall times: no epoch re-run
+
+
+def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
+    missing = run_without_ray_mlflow_dvc(SCRIPT, "--shards", tmp_path / "nope", "--workdir", tmp_path / "work")
+    unknown = run_without_ray_mlflow_dvc(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                                         "--set", "pretrain.nope=1")
+    for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope")):
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
+        assert proc.stderr.startswith("error: ") and names in proc.stderr and proc.stderr.count("\n") == 1
