@@ -94,13 +94,14 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
 
 
-def stage_shards(args: argparse.Namespace, stages: list[str]) -> dict[str, Path]:
-    """Each stage's shard directory; CIFAR-10 shards are built first with --cifar."""
+def stage_shards(args: argparse.Namespace, params: Params, stages: list[str]) -> dict[str, Path]:
+    """Each stage's shard directory; CIFAR-10 shards are built first with --cifar (as the recipe's
+    ``data.pretrain`` says: both stages read them)."""
     if args.shards is None and not args.cifar:
         raise ConfigError("--shards DIR is required (the shard stage's output), or --cifar to build CIFAR-10 shards")
     shards = args.shards or args.workdir / "cifar10-shards"
     if args.cifar:
-        cifar_shards(shards, args.cifar_tarball)
+        cifar_shards(shards, params.data.pretrain, args.cifar_tarball)
     dirs = {"pretrain": shards, "finetune": args.finetune_shards or shards}
     return {stage: dirs[stage] for stage in stages}
 
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = load_recipe(args)
         device = training_device(params)
-        shards = stage_shards(args, stages)
+        shards = stage_shards(args, params, stages)
         for shard_dir in set(shards.values()):
             read_dataset_info(shard_dir)  # a missing dataset.json fails here, before any training
     except (ConfigError, OSError, yaml.YAMLError) as exc:

@@ -88,7 +88,7 @@ def main() -> None:
         params = load_params(args.params, overrides=overrides)
     except ConfigError as exc:
         sys.exit(f"error: {exc}")
-    shard_dir = cifar_shards(args.shards) if args.cifar else args.shards
+    shard_dir = cifar_shards(args.shards, getattr(params.data, args.stage)) if args.cifar else args.shards
     info = read_dataset_info(shard_dir)
     cfg = getattr(params, args.stage)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

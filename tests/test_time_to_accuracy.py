@@ -66,3 +66,32 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
     for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope")):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
         assert proc.stderr.startswith("error: ") and names in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
+    """The README's GPU command as written (``configs/cifar10-1gpu.yaml --cifar --cifar-tarball``) on a
+    CIFAR-shaped tarball of a few images, made CPU-sized with --set: the shards follow the recipe's
+    data section, both stages train and the test split is scored."""
+    import tarfile
+
+    from tests.data_helpers import make_imagefolder
+
+    make_imagefolder(tmp_path / "c10", classes=("cat", "dog", "eel"), per_class=30, splits=["train", "test"])
+    tarball = tmp_path / "cifar.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tf:
+        tf.add(tmp_path / "c10" / "train", "train")
+        tf.add(tmp_path / "c10" / "test", "test")
+    cpu_sized = [f"--set={k}" for k in (
+        "ray.use_gpu=false", "ray.loader_workers=0", "model.preset=nano", "model.depth=1", "model.num_heads=4",
+        "pretrain.epochs=1", "finetune.epochs=1", "pretrain.global_batch_size=16",
+        "finetune.global_batch_size=16", "pretrain.compile=false", "finetune.compile=false")]
+    out, shards = tmp_path / "tta.json", tmp_path / "work" / "cifar10-shards"
+    proc = run_without_ray_mlflow_dvc(SCRIPT, "--recipe", "configs/cifar10-1gpu.yaml", "--cifar", "--cifar-tarball",
+                                      tarball, "--workdir", tmp_path / "work", *cpu_sized, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = read_dataset_info(shards)
+    assert info["classes"] == ["cat", "dog", "eel"] and info["counts"]["test"] == 90
+    assert info["params"]["maxcount"] == 1000 and info["params"]["val_fraction"] == 0.02  # the recipe's data section
+    report = json.loads(out.read_text())
+    assert report["recipe"] == "configs/cifar10-1gpu.yaml" and report["test_images"] == 90
+    assert TRAINED.findall(proc.stdout) == ["[pretrain] epoch 1/1 ", "[finetune] epoch 1/1 "]
