@@ -49,7 +49,10 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
     (default: the function's name), exit non-zero with one line on error."""
     raise_on_signals()
     path = os.environ.get("VIT_PARAMS", "params.yaml")
-    logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep the console to progress lines
+    # keep the console to progress lines: MLflow sets its logger's level when it is imported (later,
+    # in the stage and its Ray workers) from MLFLOW_LOGGING_LEVEL, INFO unless set
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"])
     try:
         params: Params = load_params(path)
         with stage_lock(name or fn.__name__):

@@ -50,6 +50,7 @@ def test_shards_hold_every_sample_once(repro):
 def test_outputs_and_metrics(repro):
     repo, proc = repro
     assert "\x1b[" not in proc.stdout + proc.stderr  # no colour codes in a log (Ray's worker prefix)
+    assert " INFO mlflow" not in proc.stdout + proc.stderr  # MLflow's start/stop chatter stays out
     assert "[pretrain] epoch 2/2" in proc.stdout and "[finetune] epoch 1/1" in proc.stdout  # rank 0's lines
     ev = json.loads((repo / "metrics/evaluate.json").read_text())
     info = json.loads((repo / "data/shards/finetune/dataset.json").read_text())
