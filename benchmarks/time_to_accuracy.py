@@ -39,6 +39,7 @@ from pipeline.config import ConfigError, Params, load_params  # noqa: E402
 from pipeline.data import make_eval_loader, read_dataset_info  # noqa: E402
 from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
+from pipeline.train.context import local_device  # noqa: E402
 from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noqa: E402
 from pipeline.train.driver import fit  # noqa: E402
 from pipeline.train.selection import THRESHOLDS  # noqa: E402
@@ -83,11 +84,11 @@ def load_recipe(args: argparse.Namespace) -> Params:
 
 
 def training_device(params: Params) -> torch.device:
-    """Where ``ray.backend: local`` trains (its LocalContext's rule); no CUDA for a GPU recipe is an error."""
-    if params.ray.use_gpu and not torch.cuda.is_available():
-        raise ConfigError("ray.use_gpu: true but torch sees no CUDA device; this measures a GPU run "
-                          "(--set ray.use_gpu=false to smoke-test on the CPU)")
-    return torch.device("cuda" if params.ray.use_gpu else "cpu")
+    """The local runner's device for the recipe; no CUDA for a GPU recipe is an error, not a CPU run."""
+    try:
+        return local_device(params.ray.use_gpu)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; this measures a GPU run (--set ray.use_gpu=false to smoke-test on the CPU)") from None
 
 
 def device_name(device: torch.device) -> str:

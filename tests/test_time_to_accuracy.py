@@ -63,7 +63,10 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
     missing = run_without_ray_mlflow_dvc(SCRIPT, "--shards", tmp_path / "nope", "--workdir", tmp_path / "work")
     unknown = run_without_ray_mlflow_dvc(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
                                          "--set", "pretrain.nope=1")
-    for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope")):
+    no_gpu = run_without_ray_mlflow_dvc(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                                        "--set", "ray.use_gpu=true")  # this machine has no CUDA device
+    for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope"),
+                        (no_gpu, "ray.use_gpu: true")):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
         assert proc.stderr.startswith("error: ") and names in proc.stderr and proc.stderr.count("\n") == 1
 

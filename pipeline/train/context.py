@@ -85,10 +85,7 @@ class LocalContext(TrainContext):
 
     def __init__(self, run_dir: str, *, use_gpu: bool, keep: int, resume_from: Optional[str] = None):
         self.rank, self.world_size = 0, 1
-        if use_gpu and not torch.cuda.is_available():
-            raise ValueError("ray.use_gpu: true with ray.backend: local needs a CUDA device and torch sees none "
-                             "(set ray.use_gpu: false to train on the CPU)")
-        self.device = torch.device("cuda" if use_gpu else "cpu")
+        self.device = local_device(use_gpu)
         self.run_dir, self.keep, self.resume_from = run_dir, keep, resume_from
         Path(run_dir).mkdir(parents=True, exist_ok=True)
 
@@ -106,6 +103,14 @@ class LocalContext(TrainContext):
 
     def resume_dir(self):
         return _fallback(self.resume_from)
+
+
+def local_device(use_gpu: bool) -> torch.device:
+    """Where the local runner trains: ``cuda`` for ``ray.use_gpu``, which then must have a device."""
+    if use_gpu and not torch.cuda.is_available():
+        raise ValueError("ray.use_gpu: true with ray.backend: local needs a CUDA device and torch sees none "
+                         "(set ray.use_gpu: false to train on the CPU)")
+    return torch.device("cuda" if use_gpu else "cpu")
 
 
 def checkpoint_name() -> str:
