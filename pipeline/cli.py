@@ -52,7 +52,7 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
     # keep the console to progress lines: MLflow sets its logger's level when it is imported (later,
     # in the stage and its Ray workers) from MLFLOW_LOGGING_LEVEL, INFO unless set
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-    logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"])
+    logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"].upper())  # MLflow takes "debug" too
     try:
         params: Params = load_params(path)
         with stage_lock(name or fn.__name__):

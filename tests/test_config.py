@@ -104,7 +104,7 @@ def test_stage_with_empty_params_exits_2(tmp_path):
     (tmp_path / "params.yaml").write_text("\n")
     proc = subprocess.run([sys.executable, "-m", "stages.shard", "pretrain"], cwd=tmp_path, capture_output=True,
                           text=True, env={"VIT_PARAMS": str(tmp_path / "params.yaml"), "PYTHONPATH": str(ROOT),
-                                          "PATH": "/usr/bin:/bin"}, timeout=120)
+                                          "PATH": "/usr/bin:/bin", "MLFLOW_LOGGING_LEVEL": "debug"}, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {tmp_path / 'params.yaml'}: is empty")
     assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()
 
