@@ -2,16 +2,17 @@
 # Create (or refresh) the project's virtual environment in .venv and activate it.
 # Source it: `source scripts/env.sh [test]`. Needs Python 3.11, 3.12 or 3.13 on PATH ($PYTHON, else
 # the first supported of python3.11, python3.12, python3.13, python3).
-# It installs the lock (requirements.txt, or requirements-test.txt for `test`: exact versions), then
-# the project itself, editable and without dependencies, for the `vit-pipeline` command.
-# The environment is rebuilt only when the lock or pyproject.toml change (a stamp holds their hash).
+# It installs the pins (requirements.txt, or requirements-test.txt for `test`), everything they pull
+# in at the versions of constraints.txt, then the project itself, editable and without dependencies,
+# for the `vit-pipeline` command. The environment is rebuilt only when one of those files or
+# pyproject.toml changes (a stamp holds their hash).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VIT_VENV:-$ROOT/.venv}"
 REQ="$ROOT/requirements.txt"
 [ "${1:-}" = "test" ] && REQ="$ROOT/requirements-test.txt"
 SUPPORTED='import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 13))'
-inputs_hash() { cat "$ROOT"/requirements*.txt "$ROOT/pyproject.toml" | sha256sum | cut -c1-16; }
+inputs_hash() { cat "$ROOT"/requirements*.txt "$ROOT/constraints.txt" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16; }
 want="$(inputs_hash)-$(basename "$REQ")"
 stamp="$VENV/.installed"
 if [ ! -f "$stamp" ] || ! grep -qx "$want" "$stamp" 2>/dev/null; then
@@ -31,7 +32,7 @@ if [ ! -f "$stamp" ] || ! grep -qx "$want" "$stamp" 2>/dev/null; then
     "$PY" -m venv "$VENV"
   fi
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$VENV/bin/python" -m pip install --quiet -r "$REQ" >&2
+  "$VENV/bin/python" -m pip install --quiet -r "$REQ" -c "$ROOT/constraints.txt" >&2
   # The project: editable, no dependencies (the lock above has them), built with the lock's setuptools.
   "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" >&2
   # A test env satisfies the runtime one too; record what was installed.

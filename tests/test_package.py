@@ -85,6 +85,19 @@ def test_declared_dependencies_match_the_lock():
     assert project["requires-python"] == ">=3.11"
 
 
+
+def test_constraints_hold_the_direct_pins():
+    """constraints.txt (every package of the tested environment, scripts/env.sh's `-c`) pins each direct
+    dependency at the lock's version, so `-r requirements*.txt -c constraints.txt` can be resolved."""
+    pinned = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line).groups()
+            pinned[re.sub(r"[-_.]+", "-", name.lower())] = version
+    lock = {re.sub(r"[-_.]+", "-", k): v for k, v in _lock().items()}
+    assert {k: pinned.get(k) for k in lock if k != "setuptools"} == {k: v for k, v in lock.items() if k != "setuptools"}
+    assert "vit-pipeline" not in pinned and len(pinned) > len(lock)  # the project itself is installed editable
+
 def _site_packages_without_this_project(dst: Path) -> Path:
     """Links to every entry of this environment's site-packages except an install of this project.
 
@@ -119,7 +132,7 @@ def _exported_model(out: Path) -> Path:
 
 @pytest.mark.slow
 def test_wheel_installs_and_predicts(tmp_path):
-    """Acceptance: build the wheel, install it with its declared dependencies into a fresh venv, then
+    """Acceptance: build the wheel, install it with the lock into a fresh venv, then
     `vit-pipeline --help` and `vit-pipeline predict` on an exported model, from outside the checkout."""
     src = copy_repo_files(tmp_path / "src", ["pyproject.toml", "README.md", "pipeline", "stages"])
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
@@ -135,9 +148,10 @@ def test_wheel_installs_and_predicts(tmp_path):
     (site / "_deps.pth").write_text(f"{deps}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-    # --no-index: the wheel's Requires-Dist must be met by what is installed, or pip fails.
-    subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", str(wheel)], cwd=tmp_path, env=env,
-                   check=True, timeout=300)
+    # The README's `pip install -r requirements.txt -c constraints.txt .`, offline (--no-index): the wheel's
+    # Requires-Dist, the pins and the constraints must all be met by this (the tested) environment.
+    subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", "-r", ROOT / "requirements.txt", "-c",
+                    ROOT / "constraints.txt", str(wheel)], cwd=tmp_path, env=env, check=True, timeout=300)
     subprocess.run([py, "-m", "pip", "check"], cwd=tmp_path, env=env, check=True, timeout=120)
 
     work = tmp_path / "work"
