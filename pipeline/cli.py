@@ -2,10 +2,8 @@
 errors into one line and an exit code (the README's "When things go wrong" lists them)."""
 from __future__ import annotations
 
-import atexit
 import errno
 import fcntl
-import gc
 import logging
 import os
 import signal
@@ -16,6 +14,7 @@ from typing import Callable, Iterator
 
 from pipeline.config import ConfigError, Params, load_params
 from pipeline.signals import raise_on_signals, received
+from pipeline.utils import freeze_heap_at_exit
 
 LOCK_DIR = Path(".stage-locks")  # in the stage's working directory, beside the outputs it guards
 EXIT_FAILED, EXIT_CONFIG, EXIT_BUSY = 1, 2, 3
@@ -55,10 +54,7 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
     # in the stage and its Ray workers) from MLFLOW_LOGGING_LEVEL, INFO unless set
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"].upper())  # MLflow takes "debug" too
-    # At exit, after Ray's and MLflow's exit handlers (registered later, so run earlier): Python's
-    # teardown would otherwise walk every object torch, MLflow and Ray made, ~2 s a stage on 2 cores.
-    atexit.unregister(gc.freeze)
-    atexit.register(gc.freeze)
+    freeze_heap_at_exit()
     try:
         params: Params = load_params(path)
         with stage_lock(name or fn.__name__):

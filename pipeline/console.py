@@ -16,6 +16,7 @@ import runpy
 import sys
 
 import pipeline
+from pipeline.utils import freeze_heap_at_exit
 
 PROG = "vit-pipeline"
 
@@ -67,6 +68,7 @@ def stage_main(argv: list[str], prog: str = f"{PROG} stage") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_heap_at_exit()  # `vit-pipeline predict` on one image: 7.0 s -> 4.3-5.7 s on 2 cores
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMANDS:
         module, _, function = COMMANDS[argv[0]][0].partition(":")

@@ -110,21 +110,6 @@ def test_stage_with_empty_params_exits_2(tmp_path):
 
 
 
-@pytest.mark.parametrize("text, code", [("data:\n  pretrain:\n    source: digits\n", 0), ("\n", 2)])
-def test_stage_freezes_the_heap_at_exit(tmp_path, text, code):
-    """run_stage leaves Python's teardown little to walk (gc.freeze at exit, after the handlers
-    registered later, e.g. Ray's shutdown), whether the stage succeeded or failed; the exit code stays."""
-    (tmp_path / "params.yaml").write_text(text)
-    script = ("import atexit, gc\n"
-              "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0, flush=True))\n"
-              "from pipeline.cli import run_stage\n"
-              "run_stage(lambda params: print('stage ran'), name='noop')\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
-    assert proc.returncode == code, proc.stderr
-    assert proc.stdout.splitlines()[-1] == "frozen at exit: True", proc.stdout
-    assert ("stage ran" in proc.stdout) == (code == 0)
-
 def test_worker_batch_and_schedule():
     assert worker_batch(64, 2) == 32 and worker_batch(64, 1) == 64
     with pytest.raises(ValueError):

@@ -54,6 +54,27 @@ def test_predict_help_imports_no_ray_or_mlflow():
     assert "usage: vit-pipeline predict" in out and "config.json" in out
 
 
+@pytest.mark.parametrize("call, params, code", [
+    ("from pipeline.cli import run_stage; run_stage(lambda params: print('ran'), name='noop')",
+     "data:\n  pretrain:\n    source: digits\n", 0),
+    ("from pipeline.cli import run_stage; run_stage(lambda params: print('ran'), name='noop')", "\n", 2),
+    ("import sys; from pipeline.console import main; sys.exit(main(['--version']))", None, 0),
+])
+def test_entry_points_freeze_the_heap_at_exit(tmp_path, call, params, code):
+    """A stage (run_stage) and the `vit-pipeline` command leave Python's teardown little to walk:
+    gc.freeze at exit, after the handlers registered later (Ray's shutdown, MLflow's flush), whether
+    they succeed or fail; the exit code stays."""
+    if params is not None:
+        (tmp_path / "params.yaml").write_text(params)
+    script = ("import atexit, gc\n"
+              "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0, flush=True))\n" + call)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "frozen at exit: True", proc.stdout
+    assert ("ran" in proc.stdout.splitlines()) == (params is not None and code == 0)
+
+
 def test_stage_runs_the_stage_module():
     """`vit-pipeline stage shard <bad name>` reaches stages/shard.py's own check (exit 2, its usage line)."""
     proc = subprocess.run([sys.executable, "-m", "pipeline", "stage", "shard", "nope"], cwd=ROOT,
