@@ -109,7 +109,6 @@ def test_stage_with_empty_params_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()
 
 
-
 def test_worker_batch_and_schedule():
     assert worker_batch(64, 2) == 32 and worker_batch(64, 1) == 64
     with pytest.raises(ValueError):

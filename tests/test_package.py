@@ -54,10 +54,12 @@ def test_predict_help_imports_no_ray_or_mlflow():
     assert "usage: vit-pipeline predict" in out and "config.json" in out
 
 
+NOOP_STAGE = "from pipeline.cli import run_stage; run_stage(lambda params: print('ran'), name='noop')"
+
+
 @pytest.mark.parametrize("call, params, code", [
-    ("from pipeline.cli import run_stage; run_stage(lambda params: print('ran'), name='noop')",
-     "data:\n  pretrain:\n    source: digits\n", 0),
-    ("from pipeline.cli import run_stage; run_stage(lambda params: print('ran'), name='noop')", "\n", 2),
+    (NOOP_STAGE, "data:\n  pretrain:\n    source: digits\n", 0),
+    (NOOP_STAGE, "\n", 2),  # an empty params file: exit 2 before the stage runs
     ("import sys; from pipeline.console import main; sys.exit(main(['--version']))", None, 0),
 ])
 def test_entry_points_freeze_the_heap_at_exit(tmp_path, call, params, code):
@@ -82,6 +84,10 @@ def test_stage_runs_the_stage_module():
     assert proc.returncode == 2 and "stages.shard {pretrain|finetune}" in proc.stderr, proc.stderr
 
 
+# In the lock to build the editable install, not needed at run time (and left out by `pip freeze`).
+BUILD_ONLY = {"setuptools"}
+
+
 def _lock() -> dict[str, str]:
     """``{name: version}`` pinned in requirements*.txt (the lock scripts/env.sh installs)."""
     pins = {}
@@ -101,10 +107,8 @@ def test_declared_dependencies_match_the_lock():
         name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?>=(\S+)", req).groups()
         declared[name.lower()] = version
     lock = _lock()
-    build_only = {"setuptools"}  # in the lock to build the editable install, not needed at run time
-    assert declared == {k: v for k, v in lock.items() if k not in build_only}
+    assert declared == {k: v for k, v in lock.items() if k not in BUILD_ONLY}
     assert project["requires-python"] == ">=3.11"
-
 
 
 def test_constraints_hold_the_direct_pins():
@@ -115,9 +119,10 @@ def test_constraints_hold_the_direct_pins():
         if line and not line.startswith("#"):
             name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line).groups()
             pinned[re.sub(r"[-_.]+", "-", name.lower())] = version
-    lock = {re.sub(r"[-_.]+", "-", k): v for k, v in _lock().items()}
-    assert {k: pinned.get(k) for k in lock if k != "setuptools"} == {k: v for k, v in lock.items() if k != "setuptools"}
+    lock = {re.sub(r"[-_.]+", "-", k): v for k, v in _lock().items() if k not in BUILD_ONLY}
+    assert {k: pinned.get(k) for k in lock} == lock
     assert "vit-pipeline" not in pinned and len(pinned) > len(lock)  # the project itself is installed editable
+
 
 def _site_packages_without_this_project(dst: Path) -> Path:
     """Links to every entry of this environment's site-packages except an install of this project.
