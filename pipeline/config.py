@@ -115,6 +115,7 @@ class TrainConfig:
     layer_decay: Optional[float] = None
     max_worker_batch: Optional[int] = None
     checkpoint_every_steps: Optional[int] = None
+    checkpoint_every_epochs: int = 1
     log_every_steps: int = 10
     compile: bool = False
 
@@ -312,7 +313,7 @@ def validate(p: Params) -> Params:
     _positive("ray.num_workers", p.ray.num_workers)
     for stage in ("pretrain", "finetune"):
         t: TrainConfig = getattr(p, stage)
-        for k in ("epochs", "global_batch_size", "lr", "eval_every"):
+        for k in ("epochs", "global_batch_size", "lr", "eval_every", "checkpoint_every_epochs"):
             _positive(f"{stage}.{k}", getattr(t, k))
         if not 0.0 <= t.label_smoothing < 1.0:
             raise ConfigError(f"{stage}.label_smoothing: {t.label_smoothing!r} must be in [0, 1)")

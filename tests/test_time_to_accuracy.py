@@ -1,6 +1,6 @@
 """benchmarks/time_to_accuracy.py, the README's one GPU command, shrunk to the digits shards on the CPU
-with Ray, MLflow and DVC blocked (as on the lent GPU box): a time budget stops it at an epoch
-boundary, the same command continues, a finished run is not retrained, and its test top-1 is what
+with Ray, MLflow and DVC blocked (as on the lent GPU box): a time budget stops it at an epoch-end
+checkpoint, the same command continues, a finished run is not retrained, and its test top-1 is what
 the evaluate stage's own prediction of the saved weights gives."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from pipeline.data import read_dataset_info
 from pipeline.evaluate import predict_split
@@ -28,25 +29,35 @@ def saved_test_top1(model_dir: str, shard_dir) -> tuple[float, int]:
     return (logits.argmax(1) == labels).sum().item() / labels.numel(), labels.numel()
 
 
+def checkpointed_epochs(run_dir) -> list[int]:
+    """The epoch of each checkpoint a run left (oldest first); fails on a staging folder left behind."""
+    names = sorted(p.name for p in run_dir.iterdir() if p.name != "model")
+    assert all(n.startswith("checkpoint_") for n in names), names
+    return [torch.load(run_dir / n / "state.pt", weights_only=False)["epoch"] for n in names]
+
+
 @pytest.mark.slow
 def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
+    """Checkpoints every 2 epochs: the budget stops the run at the first one, after epoch 2."""
     out = tmp_path / "tta.json"
-    command = ("--shards", digits_dir, "--workdir", tmp_path / "work", *TINY, "--max-minutes", "0", "--out", out)
+    command = ("--shards", digits_dir, "--workdir", tmp_path / "work", *TINY, "--set", "pretrain.epochs=3",
+               "--set", "pretrain.checkpoint_every_epochs=2", "--max-minutes", "0", "--out", out)
 
     first = run_without_ray_mlflow_dvc(SCRIPT, *command)
     assert first.returncode == 75, first.stderr[-3000:]
     assert "run the same command again" in first.stdout and not out.exists()
-    assert TRAINED.findall(first.stdout) == ["[pretrain] epoch 1/2 "]  # stopped at the epoch boundary
+    assert TRAINED.findall(first.stdout) == ["[pretrain] epoch 1/3 ", "[pretrain] epoch 2/3 "]
 
     second = run_without_ray_mlflow_dvc(SCRIPT, *command)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "[pretrain] resumed from checkpoint: epoch 1, batch 0" in second.stdout
-    assert TRAINED.findall(second.stdout) == ["[pretrain] epoch 2/2 ", "[finetune] epoch 1/1 "]
+    assert "[pretrain] resumed from checkpoint: epoch 2, batch 0" in second.stdout
+    assert TRAINED.findall(second.stdout) == ["[pretrain] epoch 3/3 ", "[finetune] epoch 1/1 "]
     report = json.loads(out.read_text())
+    assert checkpointed_epochs(tmp_path / "work" / report["stages"]["pretrain"]["run"]) == [2, 3]  # last one too
     assert 0.0 <= report["test_top1"] <= 1.0 and report["test_loss"] > 0
     assert f"test     : top-1 {report['test_top1']:.4f}" in second.stdout
     assert report["test_images"] == read_dataset_info(digits_dir)["counts"]["test"]
-    assert (report["stages"]["pretrain"]["epochs"], report["stages"]["finetune"]["epochs"]) == (2, 1)
+    assert (report["stages"]["pretrain"]["epochs"], report["stages"]["finetune"]["epochs"]) == (3, 1)
     assert all(s["wall_time_s"] > 0 for s in report["stages"].values())
     top1, count = saved_test_top1(report["model_dir"], digits_dir)
     assert count == report["test_images"] and top1 == pytest.approx(report["test_top1"], abs=1e-12)

@@ -7,6 +7,7 @@ A checkpoint holds everything needed to continue bit-for-bit where the run stopp
 from __future__ import annotations
 
 import random
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.train.context import STATE_FILE, TrainContext
+from pipeline.train.context import CHECKPOINT_PREFIX, STATE_FILE, TrainContext
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -59,9 +60,12 @@ def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress
     state["model"] = unwrap(objects["model"]).state_dict()
     state.update(epoch=progress.epoch, batch_in_epoch=progress.batch_in_epoch, step=progress.step,
                  history=progress.history, rng=rngs, **extra)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.save(state, Path(tmp) / STATE_FILE)
-        ctx.report(metrics, tmp)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_PREFIX}", suffix=".tmp", dir=ctx.staging_dir))
+    try:
+        torch.save(state, tmp / STATE_FILE)
+        ctx.report(metrics, str(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the runner moved it
 
 
 def load_state(checkpoint_dir: str | Path) -> dict:

@@ -29,12 +29,14 @@ class TrainContext:
     rank: int
     world_size: int
     device: torch.device
+    staging_dir: Optional[str] = None  # where rank 0 writes a checkpoint before report(); None: the temp dir
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError
 
     def report(self, metrics: dict, checkpoint_dir: Optional[str]) -> None:
-        """Every rank calls this; rank 0's ``checkpoint_dir`` (a directory holding state.pt) is kept."""
+        """Every rank calls this; rank 0's ``checkpoint_dir`` (a directory in ``staging_dir`` holding
+        state.pt) is kept: copied, or moved when the runner stores checkpoints on the same disk."""
         raise NotImplementedError
 
     def resume_dir(self) -> contextlib.AbstractContextManager[Optional[Path]]:
@@ -80,13 +82,14 @@ class RayContext(TrainContext):
 
 
 class LocalContext(TrainContext):
-    """The only rank, in this process. Checkpoints go to ``run_dir`` (a local directory); it keeps
-    the newest ``keep`` of the ones it wrote."""
+    """The only rank, in this process. Checkpoints are written in ``run_dir`` (a local directory)
+    and renamed into place, never copied; it keeps the newest ``keep`` of the ones it wrote."""
 
     def __init__(self, run_dir: str, *, use_gpu: bool, keep: int, resume_from: Optional[str] = None):
         self.rank, self.world_size = 0, 1
         self.device = local_device(use_gpu)
         self.run_dir, self.keep, self.resume_from = run_dir, keep, resume_from
+        self.staging_dir = run_dir
         Path(run_dir).mkdir(parents=True, exist_ok=True)
 
     def prepare_model(self, model):
@@ -94,10 +97,7 @@ class LocalContext(TrainContext):
 
     def report(self, metrics, checkpoint_dir):
         if checkpoint_dir:
-            name = checkpoint_name() + LOCAL_SUFFIX
-            tmp = Path(self.run_dir) / f".{name}.tmp"
-            shutil.copytree(checkpoint_dir, tmp)
-            tmp.rename(Path(self.run_dir) / name)  # complete or absent
+            Path(checkpoint_dir).rename(Path(self.run_dir) / (checkpoint_name() + LOCAL_SUFFIX))  # complete or absent
             for old in [c for c in list_checkpoints(self.run_dir) if c.endswith(LOCAL_SUFFIX)][:-self.keep]:
                 shutil.rmtree(Path(self.run_dir) / old)
 

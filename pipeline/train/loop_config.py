@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 # Fields that do not change what is computed: a run launched again with other values continues.
-NOT_IDENTITY = ("verbose", "loader_workers")
+NOT_IDENTITY = ("verbose", "loader_workers", "checkpoint_every_epochs")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class LoopConfig:
     amp: str
     compile: bool
     checkpoint_every_steps: Optional[int]
+    checkpoint_every_epochs: int
     log_every_steps: int
 
     @classmethod

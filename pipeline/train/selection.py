@@ -25,7 +25,7 @@ class Selection:
     kept: dict = field(default_factory=dict)     # epoch, step, source, val_top1, reason
     reached: dict = field(default_factory=dict)  # "0.9" -> epoch, step, time_s, images
     stopped_epoch: Optional[int] = None
-    wall_time_s: float = 0.0         # training + evaluation time so far, over every launch of the run
+    wall_time_s: float = 0.0         # training, evaluation and checkpoint time so far, over every launch
     weights: Optional[dict] = field(default=None, repr=False)  # the kept state dict (rank 0, CPU)
 
     def update(self, metrics: dict, *, images: int, last: bool = False) -> bool:

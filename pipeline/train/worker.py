@@ -191,6 +191,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     extra = {"config": cfg.model, "train_config": dataclasses.asdict(cfg)}
     batches, val_loader = _loaders(cfg, ctx, progress)
     run_start, start_step = time.time(), progress.step
+    clock = run_start  # wall_time_s counts from here: every epoch, evaluation and checkpoint but the last
 
     def checkpoint(metrics: dict) -> None:
         save_and_report(metrics, ctx=ctx, objects=objects, progress=progress, extra=extra)
@@ -201,7 +202,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
         metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0)
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
             metrics.update(_evaluate(cfg, ctx, stepper, val_loader))
-        selection.wall_time_s += time.time() - t0
+        now = time.time()
+        selection.wall_time_s, clock = selection.wall_time_s + now - clock, now
         metrics.update(wall_time_s=selection.wall_time_s,
                        images_seen=progress.step * cfg.per_worker_batch * ctx.world_size)
         if "val_top1" in metrics:
@@ -212,7 +214,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
             _print_epoch(cfg, metrics, eta=(time.time() - run_start) / max(1, progress.step - start_step)
                          * (cfg.epochs * cfg.steps_per_epoch - progress.step))
             _log_epoch(logger, metrics, progress.step)
-        checkpoint(metrics)
+        if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == cfg.epochs or selection.stopped:
+            checkpoint(metrics)
         if selection.stopped:
             if ctx.rank == 0:
                 print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
