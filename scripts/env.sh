@@ -2,8 +2,8 @@
 # Create (or refresh) the project's virtual environment in .venv and activate it.
 # Source it: `source scripts/env.sh [test]`. Needs Python 3.11, 3.12 or 3.13 on PATH ($PYTHON, else
 # the first supported of python3.11, python3.12, python3.13, python3).
-# It installs the pins (requirements.txt, or requirements-test.txt for `test`), everything they pull
-# in at the versions of constraints.txt, then the project itself, editable and without dependencies,
+# It installs pip, the pins (requirements.txt, or requirements-test.txt for `test`) and everything
+# they pull in, all at the versions of constraints.txt, then the project itself, editable and without dependencies,
 # for the `vit-pipeline` command. The environment is rebuilt only when one of those files or
 # pyproject.toml changes (a stamp holds their hash).
 set -euo pipefail
@@ -31,7 +31,7 @@ if [ ! -f "$stamp" ] || ! grep -qx "$want" "$stamp" 2>/dev/null; then
     echo "[env] creating $VENV with $("$PY" -V 2>&1) (first run installs torch, ray, mlflow, dvc: a few minutes)" >&2
     "$PY" -m venv "$VENV"
   fi
-  "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip -c "$ROOT/constraints.txt" >&2
   "$VENV/bin/python" -m pip install --quiet -r "$REQ" -c "$ROOT/constraints.txt" >&2
   # The project: editable, no dependencies (the lock above has them), built with the lock's setuptools.
   "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" >&2

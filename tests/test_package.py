@@ -1,6 +1,7 @@
 """The installable package: declared dependencies, the `vit-pipeline` command, what its start-up imports."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -111,17 +112,35 @@ def test_declared_dependencies_match_the_lock():
     assert project["requires-python"] == ">=3.11"
 
 
-def test_constraints_hold_the_direct_pins():
-    """constraints.txt (every package of the tested environment, scripts/env.sh's `-c`) pins each direct
-    dependency at the lock's version, so `-r requirements*.txt -c constraints.txt` can be resolved."""
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name.lower())
+
+
+def _constraints() -> dict[str, str]:
     pinned = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
         if line and not line.startswith("#"):
             name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line).groups()
-            pinned[re.sub(r"[-_.]+", "-", name.lower())] = version
-    lock = {re.sub(r"[-_.]+", "-", k): v for k, v in _lock().items() if k not in BUILD_ONLY}
+            pinned[_normalized(name)] = version
+    return pinned
+
+
+def test_constraints_hold_the_direct_pins():
+    """constraints.txt (every package of the tested environment, scripts/env.sh's `-c`) pins each direct
+    dependency at the lock's version, so `-r requirements*.txt -c constraints.txt` can be resolved."""
+    pinned = _constraints()
+    lock = {_normalized(k): v for k, v in _lock().items()}
     assert {k: pinned.get(k) for k in lock} == lock
     assert "vit-pipeline" not in pinned and len(pinned) > len(lock)  # the project itself is installed editable
+
+
+def test_this_environment_is_the_lock():
+    """Every installed package that constraints.txt names is at its version, pip included (scripts/env.sh
+    installs pip from it too): the suite tests the environment a fresh clone builds."""
+    installed = {_normalized(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    pinned = _constraints()
+    assert "pip" in pinned and "pip" in installed
+    assert {k: v for k, v in installed.items() if k in pinned} == {k: pinned[k] for k in installed if k in pinned}
 
 
 def _site_packages_without_this_project(dst: Path) -> Path:

@@ -65,6 +65,8 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
     third = run_without_ray_mlflow_dvc(SCRIPT, *command)  # both runs finished: nothing to train
     assert third.returncode == 0, third.stderr[-3000:]
     assert TRAINED.findall(third.stdout) == []
+    assert "[pretrain] run already finished, nothing to train: epoch 3, batch 0" in third.stdout
+    assert "resumed" not in third.stdout
     again = json.loads(out.read_text())
     assert {k: v for k, v in again.items() if k != "command_wall_time_s"} == \
         {k: v for k, v in report.items() if k != "command_wall_time_s"}  # same wall times: no epoch re-run

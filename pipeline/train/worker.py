@@ -182,10 +182,12 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     selection = Selection(keep=cfg.keep, patience=cfg.early_stop_patience)
     objects = {**stepper.objects(), "selection": selection}
     progress = restore(objects, ctx=ctx) or Progress()
+    finished = progress.epoch >= cfg.epochs or selection.stopped
     if progress.step and ctx.rank == 0:
-        print(f"[{cfg.stage}] resumed from checkpoint: epoch {progress.epoch}, "
-              f"batch {progress.batch_in_epoch}, step {progress.step}", flush=True)
-    if progress.epoch >= cfg.epochs or selection.stopped:
+        state = "run already finished, nothing to train" if finished else "resumed from checkpoint"
+        print(f"[{cfg.stage}] {state}: epoch {progress.epoch}, batch {progress.batch_in_epoch}, "
+              f"step {progress.step}", flush=True)
+    if finished:
         return
     logger = _run_logger(run, ctx)
     extra = {"config": cfg.model, "train_config": dataclasses.asdict(cfg)}
