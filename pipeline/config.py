@@ -276,25 +276,38 @@ def _model_check(check, *args) -> None:
 
 
 def validate(p: Params) -> Params:
-    """Cross-field checks that a type check alone cannot catch."""
-    from pipeline.data.sources import SOURCES  # local imports: config stays importable without torch
-    from pipeline.data.splits import check_fraction
-    from pipeline.data.transforms import resolve_augment
-    from pipeline.model.config import PRESETS, check_divisible, check_heads
-    from pipeline.train.selection import KEEP_CHOICES
-
+    """Cross-field checks that a type check alone cannot catch (local imports: config stays
+    importable without torch)."""
     for name in ("pretrain", "finetune"):
-        d: DataConfig = getattr(p.data, name)
-        _choice(f"data.{name}.source", d.source, SOURCES)
-        if d.source in ("imagefolder", "parquet", "cifar") and not d.root:
-            raise ConfigError(f"data.{name}.root: required for source {d.source!r} (a path to the dataset)")
-        for k in ("val_fraction", "test_fraction", "max_bad_fraction"):
-            try:
-                check_fraction(f"data.{name}.{k}", getattr(d, k))
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        for k in ("maxcount", "maxsize", "num_classes", "samples_per_class", "image_size"):
-            _positive(f"data.{name}.{k}", getattr(d, k))
+        _check_data(f"data.{name}", getattr(p.data, name))
+    _check_model(p)
+    _positive("ray.num_workers", p.ray.num_workers)
+    for stage in ("pretrain", "finetune"):
+        _check_training(stage, getattr(p, stage), p.ray.num_workers)
+    _check_export_and_ray(p)
+    return p
+
+
+def _check_data(key: str, d: DataConfig) -> None:
+    from pipeline.data.sources import SOURCES
+    from pipeline.data.splits import check_fraction
+
+    _choice(f"{key}.source", d.source, SOURCES)
+    if d.source in ("imagefolder", "parquet", "cifar") and not d.root:
+        raise ConfigError(f"{key}.root: required for source {d.source!r} (a path to the dataset)")
+    for k in ("val_fraction", "test_fraction", "max_bad_fraction"):
+        try:
+            check_fraction(f"{key}.{k}", getattr(d, k))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    for k in ("maxcount", "maxsize", "num_classes", "samples_per_class", "image_size"):
+        _positive(f"{key}.{k}", getattr(d, k))
+
+
+def _check_model(p: Params) -> None:
+    """The architecture, and every resolution the model will see divisible by its patch size."""
+    from pipeline.model.config import PRESETS, check_divisible, check_heads
+
     _choice("model.preset", p.model.preset, tuple(PRESETS))
     _choice("model.pool", p.model.pool, ("cls", "mean"))
     _positive("model.patch_size", p.model.patch_size)
@@ -310,33 +323,39 @@ def validate(p: Params) -> Params:
         _model_check(check_divisible, r, p.finetune_patch_size, f"evaluate.resolutions[{i}]", ft_patch_key)
     _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, INTERP_MODES)
     _choice("finetune.init_source", p.finetune.init_source, ("pipeline", "timm", "torchvision"))
-    _positive("ray.num_workers", p.ray.num_workers)
-    for stage in ("pretrain", "finetune"):
-        t: TrainConfig = getattr(p, stage)
-        for k in ("epochs", "global_batch_size", "lr", "eval_every", "checkpoint_every_epochs"):
+
+
+def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
+    from pipeline.data.transforms import resolve_augment
+    from pipeline.train.selection import KEEP_CHOICES
+
+    for k in ("epochs", "global_batch_size", "lr", "eval_every", "checkpoint_every_epochs"):
+        _positive(f"{stage}.{k}", getattr(t, k))
+    if not 0.0 <= t.label_smoothing < 1.0:
+        raise ConfigError(f"{stage}.label_smoothing: {t.label_smoothing!r} must be in [0, 1)")
+    _choice(f"{stage}.amp", t.amp, AMP_MODES)
+    _choice(f"{stage}.keep", t.keep, KEEP_CHOICES)
+    if t.early_stop_patience is not None:
+        _positive(f"{stage}.early_stop_patience", t.early_stop_patience)
+    for k in ("ema_decay", "layer_decay"):
+        v = getattr(t, k)
+        if v is not None and not 0.0 < v <= 1.0:
+            raise ConfigError(f"{stage}.{k}: {v!r} must be in (0, 1] or null")
+    for k in ("max_worker_batch", "checkpoint_every_steps", "log_every_steps"):
+        if getattr(t, k) is not None:
             _positive(f"{stage}.{k}", getattr(t, k))
-        if not 0.0 <= t.label_smoothing < 1.0:
-            raise ConfigError(f"{stage}.label_smoothing: {t.label_smoothing!r} must be in [0, 1)")
-        _choice(f"{stage}.amp", t.amp, AMP_MODES)
-        _choice(f"{stage}.keep", t.keep, KEEP_CHOICES)
-        if t.early_stop_patience is not None:
-            _positive(f"{stage}.early_stop_patience", t.early_stop_patience)
-        for k in ("ema_decay", "layer_decay"):
-            v = getattr(t, k)
-            if v is not None and not 0.0 < v <= 1.0:
-                raise ConfigError(f"{stage}.{k}: {v!r} must be in (0, 1] or null")
-        for k in ("max_worker_batch", "checkpoint_every_steps", "log_every_steps"):
-            if getattr(t, k) is not None:
-                _positive(f"{stage}.{k}", getattr(t, k))
-        try:
-            resolve_augment(t.augment, allow_dataset=True)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{stage}.{exc}" if str(exc).startswith("augment") else f"{stage}.augment: {exc}") from None
-        if t.mixup_alpha < 0 or t.cutmix_alpha < 0:
-            raise ConfigError(f"{stage}.mixup_alpha / cutmix_alpha must be >= 0 (0 turns them off)")
-        if t.global_batch_size % p.ray.num_workers:
-            raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
-                              f"ray.num_workers={p.ray.num_workers} (each worker gets an equal share)")
+    try:
+        resolve_augment(t.augment, allow_dataset=True)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{stage}.{exc}" if str(exc).startswith("augment") else f"{stage}.augment: {exc}") from None
+    if t.mixup_alpha < 0 or t.cutmix_alpha < 0:
+        raise ConfigError(f"{stage}.mixup_alpha / cutmix_alpha must be >= 0 (0 turns them off)")
+    if t.global_batch_size % num_workers:
+        raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
+                          f"ray.num_workers={num_workers} (each worker gets an equal share)")
+
+
+def _check_export_and_ray(p: Params) -> None:
     for i, f in enumerate(p.export.formats):
         _choice(f"export.formats[{i}]", f, EXPORT_FORMATS)
     if p.export.opset < 17:
@@ -352,7 +371,6 @@ def validate(p: Params) -> Params:
     for k in ("gpus_per_worker", "max_failures", "resource_wait_s"):
         if getattr(p.ray, k) < 0:
             raise ConfigError(f"ray.{k}: {getattr(p.ray, k)!r} must be >= 0")
-    return p
 
 
 def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None = None) -> Params:
