@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 # Fields that do not change what is computed: a run launched again with other values continues.
-NOT_IDENTITY = ("verbose", "loader_workers", "checkpoint_every_epochs")
+NOT_IDENTITY = ("verbose", "loader_workers")
 
 
 @dataclass(frozen=True)
