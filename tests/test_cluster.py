@@ -296,6 +296,7 @@ def test_ray_cluster_yaml():
     assert sum(t["max_workers"] for t in gpu_workers) <= cfg["max_workers"]
     setup = " ".join(cfg["setup_commands"])
     assert "requirements.txt" in setup and "pip install" in setup and "-c ~/vit-pipeline/constraints.txt" in setup
+    assert "pip install -q --upgrade pip -c ~/vit-pipeline/constraints.txt" in setup  # pip itself locked too
     start = " ".join(cfg["head_start_ray_commands"])
     assert "RAY_AUTH_MODE=token" in start and "ray start --head" in start
     assert "RAY_AUTH_MODE=token" in " ".join(cfg["worker_start_ray_commands"])

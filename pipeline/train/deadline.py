@@ -20,7 +20,7 @@ class DeadlinePassed(Exception):
     """The launch's time budget is spent; the run continues when launched again."""
 
 
-def hook(deadline: float, steps_per_epoch: int, checkpoint_every_epochs: int = 1) -> str:
+def hook(deadline: float, steps_per_epoch: int, checkpoint_every_epochs: int) -> str:
     """The step-hook name that stops a launch at the first epoch-end checkpoint after ``deadline``
     (``time.time()``)."""
     return f"{HOOK}={deadline:.3f}/{steps_per_epoch}/{checkpoint_every_epochs}"
