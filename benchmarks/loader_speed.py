@@ -5,6 +5,8 @@ count; runs are interleaved in one process so machine load hits all alike. Two b
 ``imagefolder``: the textbook ImageFolder (PIL loader) + one v2.Compose per sample;
 ``imagefolder-fast``: ImageFolder given this package's decode (torchvision.io) and transform
 split (uint8 per-sample ops, normalise per batch), isolating what the tar format itself buys.
+``webdataset-raw``: the same loader on shards written with ``encoding: raw`` (decoded pixels, no
+JPEG decode when loading; the same batches).
 
     python benchmarks/loader_speed.py [--workers 2] [--batches 60] [--rounds 3]
 """
@@ -36,7 +38,7 @@ TGZ = ROOT.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
 
 
-def ensure_data(extract_to: Path, shard_dir: Path) -> Path:
+def ensure_data(extract_to: Path, shard_dir: Path, encoding: str = "source") -> Path:
     """Extract CIFAR-10 to /tmp (never the repo) and shard its train/ folder once."""
     train = extract_to / "train"
     if not train.is_dir():
@@ -45,7 +47,7 @@ def ensure_data(extract_to: Path, shard_dir: Path) -> Path:
             tf.extractall(extract_to, filter="data")
     if not (shard_dir / "dataset.json").exists():
         shard_dataset(shard_dir, DataConfig(source="imagefolder", root=train, val_fraction=0.0, test_fraction=0.0,
-                                            maxcount=2000))
+                                            maxcount=2000, encoding=encoding))
     return train
 
 
@@ -86,6 +88,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     train = ensure_data(args.data, args.shards)
+    raw_shards = args.shards.with_name(args.shards.name + "-raw")
+    ensure_data(args.data, raw_shards, encoding="raw")
     n_train = read_dataset_info(args.shards)["counts"]["train"]
     total = args.batches
     folder = ImageFolder(str(train), transform=train_transform(args.image_size, AUGMENT))
@@ -95,12 +99,13 @@ def main() -> None:
     def fast_collate(samples):  # the loader's split: uint8 per sample, normalise once per batch
         x, y = _collate(samples)
         return finish(x), y
-    rates = {"webdataset": [], "imagefolder": [], "imagefolder-fast": []}
+    rates = {"webdataset": [], "webdataset-raw": [], "imagefolder": [], "imagefolder-fast": []}
     for r in range(args.rounds):
-        wds_loader = make_train_loader(args.shards, batch_size=args.batch_size, image_size=args.image_size,
-                                       steps_per_epoch=total, rank=0, world_size=1, epoch=r, seed=0,
-                                       augment=AUGMENT, num_workers=args.workers)
-        rates["webdataset"].append(timed(wds_loader, args.batches))
+        for name, shards in (("webdataset", args.shards), ("webdataset-raw", raw_shards)):
+            wds_loader = make_train_loader(shards, batch_size=args.batch_size, image_size=args.image_size,
+                                           steps_per_epoch=total, rank=0, world_size=1, epoch=r, seed=0,
+                                           augment=AUGMENT, num_workers=args.workers)
+            rates[name].append(timed(wds_loader, args.batches))
         dl = torch.utils.data.DataLoader(folder, batch_size=args.batch_size, shuffle=True,
                                          num_workers=args.workers, drop_last=True,
                                          persistent_workers=False)
@@ -119,6 +124,8 @@ def main() -> None:
     for base in ("imagefolder", "imagefolder-fast"):
         print(f"speed-up vs {base:17s}: {wall['webdataset'] / wall[base]:.2f}x wall   "
               f"{cpu['webdataset'] / cpu[base]:.2f}x cpu  (target >= 2x vs imagefolder)")
+    print(f"encoding: raw vs source  : {wall['webdataset-raw'] / wall['webdataset']:.2f}x wall   "
+          f"{cpu['webdataset-raw'] / cpu['webdataset']:.2f}x cpu")
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,9 @@ AMP_MODES = ("auto", "bf16", "fp16", "off")
 BACKENDS = ("ray", "local")
 
 
+ENCODINGS = ("source", "raw")  # data.<name>.encoding: the source's bytes, or decoded pixels (binary PPM)
+
+
 class ConfigError(ValueError):
     """A params.yaml problem; the message names the key, the value and what is valid."""
 
@@ -48,6 +51,7 @@ class DataConfig:
     maxsize: int = 64_000_000
     max_side: Optional[int] = None
     max_bad_fraction: float = 0.0
+    encoding: str = "source"
     class_names: Optional[list[str]] = None
     num_classes: int = 50
     samples_per_class: int = 60
@@ -293,6 +297,7 @@ def _check_data(key: str, d: DataConfig) -> None:
     from pipeline.data.splits import check_fraction
 
     _choice(f"{key}.source", d.source, SOURCES)
+    _choice(f"{key}.encoding", d.encoding, ENCODINGS)
     if d.source in ("imagefolder", "parquet", "cifar") and not d.root:
         raise ConfigError(f"{key}.root: required for source {d.source!r} (a path to the dataset)")
     for k in ("val_fraction", "test_fraction", "max_bad_fraction"):

@@ -147,6 +147,22 @@ def test_train_any_worker_count(digits_dir):
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ref, got, strict=True))
 
 
+def test_raw_encoded_shards_give_the_same_batches(tmp_path):
+    """Shards written with ``encoding: raw`` (pixels, no decode at load time) feed the same train and eval
+    batches as the source-encoded ones, every random augmentation on, with loader workers."""
+    dirs = {enc: tmp_path / enc for enc in ("source", "raw")}
+    for enc, out in dirs.items():
+        shard_dataset(out, DataConfig(source="digits", encoding=enc, maxcount=300))
+    kw = dict(batch_size=16, image_size=16, steps_per_epoch=6, rank=0, world_size=1, epoch=1, seed=4, augment=AUG_ALL_RANDOM)
+    ref = list(make_train_loader(dirs["source"], **kw))
+    got = list(make_train_loader(dirs["raw"], num_workers=2, **kw))
+    assert len(got) == len(ref) == 6
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ref, got, strict=True))
+    evals = [list(make_eval_loader(dirs[enc], "val", batch_size=50, image_size=16, rank=0, world_size=1, augment=None))
+             for enc in ("source", "raw")]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(*evals, strict=True))
+
+
 def test_train_loader_leaves_global_rng_alone(digits_dir):
     for num_workers in (0, 2):
         torch.manual_seed(123)

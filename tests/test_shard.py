@@ -155,6 +155,44 @@ def test_imagefolder_given_splits_and_val_carve(tmp_path):
     assert info["class_counts"]["val"] == [2, 2, 2]
 
 
+def test_raw_encoding_stores_the_pixels_the_loader_decodes(tmp_path):
+    """``encoding: raw``: every sample is binary PPM (any image tool reads it) holding exactly the pixels
+    the loader decodes from the source shard's bytes: JPEG, PNG, grayscale and RGBA inputs alike."""
+    import io
+
+    import pyarrow.parquet as pq
+    import torch
+    from PIL import Image
+
+    from pipeline.data.loader import decode_sample
+    rng = np.random.default_rng(1)
+    root = make_imagefolder(tmp_path / "in", per_class=4)
+    (root / "cat" / "gray.png").write_bytes(img_bytes(rng, "PNG", mode="L"))
+    (root / "dog" / "alpha.png").write_bytes(img_bytes(rng, "PNG", mode="RGBA"))
+    (root / "eel" / "gray.jpg").write_bytes(img_bytes(rng, "JPEG", mode="L"))
+    samples = {}
+    for encoding in ("source", "raw"):
+        out = tmp_path / encoding
+        info = shard_dataset(out, DataConfig(source="imagefolder", root=root, encoding=encoding, val_fraction=0,
+                                             test_fraction=0))
+        assert info["params"]["encoding"] == encoding
+        with tarfile.open(out / info["shards"]["train"][0]["name"]) as tf:
+            members = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
+        keys = sorted({name.split(".")[0] for name in members})
+        samples[encoding] = {k: {n.split(".", 1)[1]: v for n, v in members.items() if n.startswith(k + ".")} for k in keys}
+        sizes = dict(zip(*pq.read_table(out / "manifest.parquet", columns=["key", "bytes"]).to_pydict().values()))
+        assert all(sizes[k] == len(next(v for e, v in sample.items() if e != "cls"))
+                   for k, sample in samples[encoding].items())
+    assert samples["raw"].keys() == samples["source"].keys() and len(samples["raw"]) == 15
+    for key, raw in samples["raw"].items():
+        assert sorted(raw) == ["cls", "ppm"], key
+        img, label = decode_sample(raw)
+        want, want_label = decode_sample(samples["source"][key])
+        assert label == want_label and torch.equal(img, want), key
+        pil = np.asarray(Image.open(io.BytesIO(raw["ppm"])))
+        assert np.array_equal(pil, img.permute(1, 2, 0).numpy()), key
+
+
 def test_imagefolder_max_side(tmp_path):
     root = tmp_path / "src"
     (root / "a").mkdir(parents=True)

@@ -22,16 +22,15 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torchvision.io import ImageReadMode, decode_image
 
 from pipeline.storage import is_url, join as _join
 
+from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
 from .tario import IndexedShards, tarfile_samples
 from .transforms import BatchFinish, SampleTransform
 
-IMAGE_KEYS = "png;jpg;jpeg;webp"
 _FSSPEC_SCHEMES = ("s3", "gcs", "az", "abfs", "memory")
 
 
@@ -83,24 +82,13 @@ class _ShardStream(IterableDataset):
                 yield sample
 
 
-_PIL_RGB8 = wds.imagehandler("torchrgb8")
-
-
 def decode_sample(sample: dict) -> tuple[torch.Tensor, int]:
-    """Raw sample -> (uint8 RGB CHW tensor, label). torchvision.io (libjpeg-turbo/libpng) is ~3x
-    faster than PIL at 32 px; other formats and 16-bit PNGs fall back to webdataset's PIL handler."""
+    """Raw sample -> (uint8 RGB CHW tensor, label)."""
     ext = next((e for e in IMAGE_KEYS.split(";") if e in sample), None)
     if ext is None:
         raise ValueError(f"sample {sample.get('__key__')} from {sample.get('__url__')} has no image "
                          f"({IMAGE_KEYS}); keys: {sorted(sample)}")
-    data = sample[ext]
-    try:
-        img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except RuntimeError:
-        img = None
-    if img is None or img.dtype != torch.uint8:
-        img = _PIL_RGB8(ext, data)
-    return img, int(sample["cls"])
+    return decode(ext, sample[ext]), int(sample["cls"])
 
 
 def _collate(samples):

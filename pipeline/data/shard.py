@@ -26,9 +26,10 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from PIL import Image
 
-from pipeline.config import DataConfig
+from pipeline.config import ENCODINGS, DataConfig
 from pipeline.utils import apply_umask
 
+from .codec import decode, encode_ppm
 from .sources import SOURCES, list_source
 from .splits import SPLITS, Record, SourceListing, check_fraction, check_fractions
 
@@ -83,11 +84,12 @@ def stats_from_histogram(hist: np.ndarray) -> dict:
     return {"split": STATS_SPLIT, "mean": [round(float(v), 6) for v in mean], "std": [round(float(v), 6) for v in std]}
 
 
-def prepare(rec: Record, max_side: Optional[int], stats: bool = False):
+def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding: str = "source"):
     """Return (extension, bytes, pixel histogram or None) for one record; raise BadImage if it does not decode.
 
     Encoded JPEG/PNG inputs are verified by a full decode but written unchanged unless
-    ``max_side`` forces a downscale; arrays are PNG-encoded (lossless). ``stats`` adds the
+    ``max_side`` forces a downscale; arrays are PNG-encoded (lossless). ``encoding="raw"``: instead,
+    the pixels the loader would decode from those bytes, as binary PPM. ``stats`` adds the
     :func:`pixel_histogram` of the stored image (for ``augment.mean/std: dataset``).
     """
     data = rec.load()  # FileNotFoundError etc. propagate: a missing input is a hard error
@@ -110,7 +112,10 @@ def prepare(rec: Record, max_side: Optional[int], stats: bool = False):
         fmt, raw = "PNG", None
         if img.mode not in ("1", "L", "LA", "I", "P", "RGB", "RGBA"):
             img = img.convert("RGB")
-    return KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt), pixel_histogram(img) if stats else None
+    ext, data = KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt)
+    if encoding == "raw":
+        ext, data = "ppm", encode_ppm(decode(ext, data))
+    return ext, data, pixel_histogram(img) if stats else None
 
 
 class _SplitWriter:
@@ -182,7 +187,8 @@ def _aborting(writers: dict[str, _SplitWriter]):
         raise
 
 
-def _write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side, max_bad_fraction) -> dict[str, Any]:
+def _write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side, max_bad_fraction,
+               encoding) -> dict[str, Any]:
     """Stream records into per-split shards; memory is bounded by one chunk plus open shards."""
     writers = {s: _SplitWriter(tmp, s, maxcount, maxsize) for s in SPLITS}
     class_counts = {s: [0] * len(listing.classes) for s in SPLITS}
@@ -194,7 +200,7 @@ def _write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side
 
     def run(rec: Record):
         try:
-            return prepare(rec, max_side, stats=rec.split == STATS_SPLIT), None
+            return prepare(rec, max_side, stats=rec.split == STATS_SPLIT, encoding=encoding), None
         except BadImage as exn:
             return None, str(exn)
 
@@ -296,6 +302,8 @@ def shard_dataset(out_dir, spec: DataConfig) -> dict:
     if spec.maxcount < 1 or spec.maxsize < 1:
         raise ValueError(f"maxcount ({spec.maxcount}) and maxsize ({spec.maxsize}) must be >= 1")
     check_fraction("max_bad_fraction", spec.max_bad_fraction)
+    if spec.encoding not in ENCODINGS:
+        raise ValueError(f"unknown encoding {spec.encoding!r}; valid: {list(ENCODINGS)}")
     if spec.max_side is not None and spec.max_side < 1:
         raise ValueError(f"max_side={spec.max_side!r}: must be null or >= 1")
     out = Path(out_dir)
@@ -309,7 +317,7 @@ def shard_dataset(out_dir, spec: DataConfig) -> dict:
                           num_classes=spec.num_classes, samples_per_class=spec.samples_per_class,
                           image_size=spec.image_size)
         written = _write_all(tmp, listing, maxcount=spec.maxcount, maxsize=spec.maxsize, max_side=spec.max_side,
-                             max_bad_fraction=spec.max_bad_fraction)
+                             max_bad_fraction=spec.max_bad_fraction, encoding=spec.encoding)
         shards = written["shards"]
         info = {
             "format_version": FORMAT_VERSION,
