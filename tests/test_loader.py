@@ -380,3 +380,25 @@ def test_augment_dataset_normalisation(digits_dir):
     with pytest.raises(ValueError, match="augment.mean must be 3 numbers .* or 'dataset'"):
         BatchFinish({"mean": "dataset"})  # unresolved: loaders need numbers
     assert resolve_augment({"mean": "dataset"}, allow_dataset=True)["mean"] == "dataset"
+
+
+def test_loader_benchmark_runs_all_four_loaders(tmp_path):
+    """``benchmarks/loader_speed.py``, shrunk: an ImageFolder given as ``--data`` (so no CIFAR-10 tarball
+    is extracted), sharded both ways, each loader timed, the ratios printed."""
+    import subprocess
+    import sys
+
+    from tests.data_helpers import REPO
+    make_imagefolder(tmp_path / "data", splits=["train"], per_class=12)
+    for bmp in (tmp_path / "data").rglob("*.bmp"):  # the ImageFolder baselines decode with torchvision.io: JPEG/PNG
+        bmp.unlink()
+    proc = subprocess.run([sys.executable, "benchmarks/loader_speed.py", "--data", tmp_path / "data", "--shards",
+                           tmp_path / "shards", "--workers", "1", "--batch-size", "4", "--batches", "3", "--rounds", "1",
+                           "--image-size", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    medians = {line.split(":")[0].split()[1]: float(line.split(":")[1].split()[0])
+               for line in proc.stdout.splitlines() if line.startswith("median ")}
+    assert sorted(medians) == ["imagefolder", "imagefolder-fast", "webdataset", "webdataset-raw"], proc.stdout
+    assert all(v > 0 for v in medians.values()), proc.stdout
+    assert "encoding: raw vs source" in proc.stdout
+    assert read_dataset_info(tmp_path / "shards-raw")["params"]["encoding"] == "raw"
