@@ -22,10 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.cluster import init_ray  # noqa: E402
+from pipeline.cluster import REPORT_POLL_VAR, init_ray  # noqa: E402
 from pipeline.config import RayConfig  # noqa: E402
-
-INTERVAL_VAR = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 
 def reporting_loop(cfg: dict) -> None:
@@ -53,14 +51,14 @@ def reporting_loop(cfg: dict) -> None:
         report({"i": i})
         waits.append(time.perf_counter() - t0)
     report({"median_report_s": statistics.median(waits), "max_report_s": max(waits),
-            "poll_interval_s": float(os.environ[INTERVAL_VAR])})
+            "poll_interval_s": float(os.environ[REPORT_POLL_VAR])})
 
 
 def measure(interval: str, args: argparse.Namespace, storage: str) -> dict:
     from ray.train import LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    os.environ[INTERVAL_VAR] = interval  # read when fit() starts the controller, passed on to the ranks
+    os.environ[REPORT_POLL_VAR] = interval  # read when fit() starts the controller, passed on to the ranks
     trainer = TorchTrainer(reporting_loop, train_loop_config={"reports": args.reports, "gap": args.gap},
                            scaling_config=ScalingConfig(num_workers=args.workers),
                            run_config=RunConfig(name=f"report-{interval}", storage_path=storage,
@@ -77,7 +75,7 @@ def main() -> None:
     from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S
 
     init_ray(RayConfig(num_workers=args.workers))
-    stages = os.environ[INTERVAL_VAR]  # what init_ray left: $RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, else REPORT_POLL_S
+    stages = os.environ[REPORT_POLL_VAR]  # what init_ray left: $RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, else REPORT_POLL_S
     with tempfile.TemporaryDirectory() as storage:
         rows = [(f"Ray's default ({DEFAULT_HEALTH_CHECK_INTERVAL_S:g} s)", measure(str(DEFAULT_HEALTH_CHECK_INTERVAL_S), args, storage)),
                 (f"the stages' ({stages} s)", measure(stages, args, storage))]

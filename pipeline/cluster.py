@@ -17,7 +17,7 @@ WAIT_REPORT_S = 30  # how often a wait for cluster resources says so
 # $RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default 2 s), and a rank's next report waits until the
 # last one was taken: a loop reporting every 1.6 s (an epoch of the default pipeline, or of CIFAR-10
 # on one H100) waited ~0.4 s per report. Ray passes the variable on to its controller and ranks.
-REPORT_POLL_S = "0.25"
+REPORT_POLL_VAR, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
 
 
 def world_size(ray_cfg: RayConfig) -> int:
@@ -43,7 +43,7 @@ def init_ray(ray_cfg: RayConfig) -> None:
     quiet = {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     for k, v in quiet.items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_S)
+    os.environ.setdefault(REPORT_POLL_VAR, REPORT_POLL_S)
     if not sys.stdout.isatty():  # a log file or CI: the "(RayTrainWorker pid=…)" prefix without colour codes
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     address = cluster_address(ray_cfg)

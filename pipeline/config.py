@@ -25,8 +25,6 @@ INTERP_MODES = ("nearest", "bilinear", "bicubic", "area")
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 BACKENDS = ("ray", "local")
-
-
 ENCODINGS = ("source", "raw")  # data.<name>.encoding: the source's bytes, or decoded pixels (binary PPM)
 
 
