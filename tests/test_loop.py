@@ -60,17 +60,20 @@ def test_accumulated_step_equals_one_big_step():
 
 
 def test_throughput_benchmark_runs_on_cpu(digits_dir):
-    """The README's benchmark command, shortened: it measures both sides and prints the feed ratio,
-    and runs where Ray, MLflow and DVC are not installed (as on the lent GPU machine)."""
+    """The README's benchmark command, shortened, compiled and with --compare-eager (the GPU runbook's
+    form): it measures every side and prints the feed ratio, and runs where Ray, MLflow and DVC are not
+    installed (as on the lent GPU machine). The uncompiled form runs in test_time_to_accuracy.py."""
     proc = run_without_ray_mlflow_dvc("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "2",
-                                      "--rounds", "1", "--set", "ray.loader_workers=1")
+                                      "--rounds", "1", "--set", "ray.loader_workers=1", "--set", "model.depth=1",
+                                      "--set", "pretrain.compile=true", "--compare-eager")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in proc.stdout.splitlines() if ":" in line}
-    alone = float(lines["median model alone"].split()[0])
-    fed = float(lines["median full loop"].split()[0])
-    assert alone > 0 and fed > 0
+    alone, eager, fed = (float(lines[f"median {k}"].split()[0]) for k in ("model alone", "eager alone", "full loop"))
+    assert alone > 0 and eager > 0 and fed > 0 and float(lines["median input alone"].split()[0]) > 0
+    buys = float(lines["median eager alone"].split("compile buys ")[1].split("x")[0])
+    assert buys == pytest.approx(alone / eager, abs=0.01)
     assert float(lines["feed ratio"].split()[0]) == pytest.approx(fed / alone, rel=0.01)
-    assert "batch 64" in proc.stdout and "1 loader workers" in proc.stdout  # one rank takes the global batch
+    assert "batch 64" in proc.stdout and "compile True, 1 loader workers" in proc.stdout  # one rank, whole batch
 
 
 def test_ema_warmup_follows_the_schedule_and_resumes():

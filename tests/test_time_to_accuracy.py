@@ -116,7 +116,7 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     tp_shards = tmp_path / "tp-shards"
     bench = run_without_ray_mlflow_dvc("benchmarks/train_throughput.py", "--recipe", "configs/cifar10-1gpu.yaml",
                                        "--cifar", "--cifar-tarball", tarball, "--shards", tp_shards, *cpu_sized,
-                                       "--steps", "1", "--rounds", "1")
+                                       "--steps", "1", "--rounds", "1", "--compare-eager")
     assert bench.returncode == 0, bench.stderr[-3000:]
     assert "feed ratio" in bench.stdout and "batch 16" in bench.stdout
     assert read_dataset_info(tp_shards)["shards"] == info["shards"]  # sharded as the recipe says, both ways

@@ -140,6 +140,9 @@ def _check_rank(rank, world_size, batch_size, num_workers):
         raise ValueError(f"batch_size={batch_size} must be >= 1 and num_workers={num_workers} >= 0")
 
 
+PREFETCH = 4  # batches each DataLoader worker has in flight (DataLoader's prefetch_factor)
+
+
 class TrainBatch(NamedTuple):
     """One rank's step as a loader worker ships it: uint8 pixels (cropped and flipped) plus the
     per-sample draws of the device-side augmentation (see :class:`.device_augment.DeviceAugment`)."""
@@ -216,7 +219,7 @@ def _on_device(batches: Iterator[TrainBatch], augment: DeviceAugment, device: to
 def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_epoch: int, rank: int,
                       world_size: int, epoch: int, seed: int, augment: Optional[dict],
                       last_epoch: Optional[int] = None, start_batch: int = 0, num_workers: int = 0,
-                      prefetch: int = 4, device: torch.device | str = "cpu", num_streams: Optional[int] = None,
+                      prefetch: int = PREFETCH, device: torch.device | str = "cpu", num_streams: Optional[int] = None,
                       return_keys: bool = False) -> _Loader:
     """Exactly ``steps_per_epoch`` full, shuffled, augmented batches of ``batch_size`` on this rank
     for each epoch from ``epoch`` (starting at batch ``start_batch``: mid-epoch resume, the skipped
