@@ -13,5 +13,6 @@ if [ ! -x /usr/bin/chromium ]; then
   } >&2 || echo "[test] warning: could not install Chromium; tests/test_mlflow_ui.py will fail" >&2
 fi
 # Two processes, each test file whole in one of them (its module fixtures, e.g. the dvc repro, run once):
-# most of a slow test is waiting on Ray / DVC / MLflow start-up, so two share 2 cores well.
-exec python -m pytest -n 2 --dist loadfile "$@"
+# most of a slow test is waiting on Ray / DVC / MLflow start-up, so two share 2 cores well. Files go
+# out in collection order, the longest first (tests/conftest.py: LONGEST_FIRST).
+exec python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -22,6 +22,18 @@ _LEAKY = ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "VIT_P
           "VIT_SHARDS_URL", "AWS_ENDPOINT_URL", "AWS_PROFILE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
+# The files that take minutes (Ray / DVC end to end), longest first. scripts/test.sh runs the suite
+# on two pytest-xdist processes, whole files each, in collection order (--no-loadscope-reorder): the
+# long files start at once and the short ones fill in behind them. xdist's own order (most tests
+# first) started test_training.py's ~10 minutes late and left one process idle at the end.
+LONGEST_FIRST = ("test_pipeline.py", "test_training.py", "test_cluster.py", "test_storage.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
+
+
 _HANDED_OUT: set[int] = set()
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import clean_env
-from tests.repo_copy import make_repo, run
+from tests.repo_copy import make_repo, pretrain_runs, run
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("pretrain", "finetune", "evaluate", "export")
@@ -413,14 +413,15 @@ def test_dvc_reruns_only_what_a_param_change_touches(repro):
 
 
 def test_dvc_exp_run_patch_and_resolution(repro):
-    """The README's experiment: new patch size and fine-tune resolution, seen by dvc exp show and MLflow;
-    normalisation from the fine-tune set's pixel stats reaches the exported model's config."""
-    from mlflow.tracking import MlflowClient
-
+    """The README's experiment: fine-tune the patch-4 pretrained model at patch 8 and 48 px (kernel
+    PI-resized, position embeddings resampled), seen by dvc exp show and MLflow; pretrain is reused,
+    the exported model is patch 8 at 48 px; normalisation from the fine-tune set's pixel stats
+    reaches the exported model's config."""
     repo, _ = repro
-    proc = run(["dvc", "exp", "run", "-n", "p8-r48", "-S", "model.patch_size=8", "-S", "finetune.image_size=48",
+    proc = run(["dvc", "exp", "run", "-n", "p8-r48", "-S", "finetune.patch_size=8", "-S", "finetune.image_size=48",
                 "-S", "++finetune.augment.mean=dataset", "-S", "++finetune.augment.std=dataset"], repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Stage 'pretrain' didn't change, skipping" in proc.stdout + proc.stderr
     show = run(["dvc", "exp", "show", "--json"], repo, timeout=120)
     assert show.returncode == 0
     exps = json.loads(show.stdout)
@@ -428,13 +429,17 @@ def test_dvc_exp_run_patch_and_resolution(repro):
     assert "p8-r48" in names, show.stdout[:2000]
     metrics = json.loads((repo / "metrics/evaluate.json").read_text())
     assert set(metrics["resolution_sweep"]) == {"24", "32"} and 0 <= metrics["top1"] <= 1
+    exported = json.loads((repo / "exports/config.json").read_text())
+    assert exported["model"]["patch_size"] == [8, 8] and exported["image_size"] == 48
     stats = json.loads((repo / "data/shards/finetune/dataset.json").read_text())["pixel_stats"]
-    normalize = json.loads((repo / "exports/config.json").read_text())["normalize"]
-    assert normalize == {"mean": stats["mean"], "std": stats["std"]} and normalize["mean"] != [0.5] * 3
-    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    assert exported["normalize"] == {"mean": stats["mean"], "std": stats["std"]}
+    assert exported["normalize"]["mean"] != [0.5] * 3
+    client, pretrain = pretrain_runs(repo)
+    assert len(pretrain) == 1  # the fixture's: no experiment retrained it
     exp = client.get_experiment_by_name("vit-pipeline")
-    ft = client.search_runs([exp.experiment_id], "tags.stage = 'finetune' and params.`model.patch_size` = '8'")
-    assert len(ft) == 1 and ft[0].data.params["image_size"] == "48"
+    ft = client.search_runs([exp.experiment_id], "tags.stage = 'finetune' and params.`finetune.patch_size` = '8'")
+    assert len(ft) == 1 and ft[0].data.params["image_size"] == "48" and ft[0].data.params["patch_size"] == "8"
+    assert ft[0].data.params["model.patch_size"] == "4"  # pretrained at patch 4
 
 
 def test_dvc_remote_push_then_a_fresh_clone_pulls_and_is_up_to_date(repro, s3_server, tmp_path):
