@@ -136,8 +136,11 @@ def test_constraints_hold_the_direct_pins():
 
 def test_this_environment_is_the_lock():
     """Every installed package that constraints.txt names is at its version, pip included (scripts/env.sh
-    installs pip from it too): the suite tests the environment a fresh clone builds."""
-    installed = {_normalized(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    installs pip from it too): the suite tests the environment a fresh clone builds. Read from
+    site-packages, as pip sees it: once setuptools is imported (torch.compile does), its vendored
+    copies of importlib-metadata, zipp, … are on sys.path too, and they are not installed packages."""
+    site = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    installed = {_normalized(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=list(site))}
     pinned = _constraints()
     assert "pip" in pinned and "pip" in installed
     assert {k: v for k, v in installed.items() if k in pinned} == {k: pinned[k] for k in installed if k in pinned}
