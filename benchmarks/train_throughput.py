@@ -159,7 +159,8 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], flo
     print(f"median full loop   : {fed:9.0f} img/s")
     print(f"feed ratio         : {fed / alone:9.3f}   (target >= 0.9 on a GPU)")
     if device.type == "cuda":
-        print(f"peak GPU memory    : {torch.cuda.max_memory_allocated() / 2**30:9.2f} GiB")
+        twin = "   (the uncompiled copy's steps included)" if "eager" in median else ""
+        print(f"peak GPU memory    : {torch.cuda.max_memory_allocated() / 2**30:9.2f} GiB{twin}")
         peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
         if peak:
             print(f"MFU (bf16 peak)    : {flops * fed / peak:9.1%} of {peak / 1e12:.0f} TFLOP/s "
