@@ -134,18 +134,20 @@ def main() -> None:
     drain = loop.loader_workers * PREFETCH
     steps_needed = args.rounds * (3 * args.steps + drain) + 8
     stepper = Stepper(model.to(device), loop, device)
-    eager = eager_twin(stepper, loop) if loop.compile else stepper
+    eager = eager_twin(stepper, loop) if args.compare_eager and loop.compile else None
     batches = iter(make_train_loader(
         loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
         steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-steps_needed // loop.steps_per_epoch) - 1,
         rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=loop.loader_workers, device=device))
-    got = measure(args, stepper, eager if args.compare_eager and loop.compile else None, batches, drain)
-    images, labels = next(batches)
-    report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v},
-           flops_per_image(eager, images, labels))
+    got = measure(args, stepper, eager, batches, drain)
+    peak_memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0  # before the FLOP count's step
+    uncompiled = eager if eager is not None else eager_twin(stepper, loop) if loop.compile else stepper
+    report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v}, peak_memory,
+           flops_per_image(uncompiled, *next(batches)))
 
 
-def report(args, params, loop: LoopConfig, device, median: dict[str, float], flops: float) -> None:
+def report(args, params, loop: LoopConfig, device, median: dict[str, float], peak_memory: int,
+           flops: float) -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     alone, fed = median["model"], median["loop"]
     print(f"\n{args.stage} of {args.recipe or args.params} on {name}: {params.model.preset} "
@@ -160,7 +162,7 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], flo
     print(f"feed ratio         : {fed / alone:9.3f}   (target >= 0.9 on a GPU)")
     if device.type == "cuda":
         twin = "   (the uncompiled copy's steps included)" if "eager" in median else ""
-        print(f"peak GPU memory    : {torch.cuda.max_memory_allocated() / 2**30:9.2f} GiB{twin}")
+        print(f"peak GPU memory    : {peak_memory / 2**30:9.2f} GiB{twin}")
         peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
         if peak:
             print(f"MFU (bf16 peak)    : {flops * fed / peak:9.1%} of {peak / 1e12:.0f} TFLOP/s "
