@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pipeline.outputs import PARTIAL, staged_outputs
-from pipeline.train.context import STATE_FILE, latest_checkpoint, list_checkpoints, prune_checkpoints
+from pipeline.train.context import (STAGING_PREFIX, STAGING_SUFFIX, STATE_FILE, latest_checkpoint, list_checkpoints,
+                                    prune_checkpoints)
 from tests.repo_copy import pretrain_runs, run, set_params, sharded_short_run
 
 
@@ -63,7 +64,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.mark.slow
 def test_second_instance_is_refused_and_sigterm_stops_cleanly(repo):
     """A second identical stage fails fast (exit 3); SIGTERM ends the first with one line, exit 143,
-    its MLflow run KILLED, no Ray left behind and no outputs written."""
+    its MLflow run KILLED, no Ray left behind, no outputs written and no half-written checkpoint kept."""
     set_params(repo, **{"pretrain.epochs": 50})
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "VIT_PARAMS")}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
@@ -76,6 +77,8 @@ def test_second_instance_is_refused_and_sigterm_stops_cleanly(repo):
         second = run(["python", "-m", "stages.pretrain"], repo, timeout=60)
         assert second.returncode == 3, second.stderr[-2000:]
         assert f"stage 'pretrain' is already running in {repo} (pid {first.pid}" in second.stderr
+        run_dir = next((repo / ".ray_results").rglob("checkpoint_*")).parent
+        (run_dir / f"{STAGING_PREFIX}planted{STAGING_SUFFIX}").mkdir()  # as a rank killed mid-save leaves one
         first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=60)
     finally:
@@ -87,6 +90,7 @@ def test_second_instance_is_refused_and_sigterm_stops_cleanly(repo):
     _, runs = pretrain_runs(repo)
     assert [r.info.status for r in runs] == ["KILLED"]
     assert not (repo / "models/pretrain").exists() and not list(repo.rglob(f"{PARTIAL}*"))
+    assert not list(run_dir.glob(f"{STAGING_PREFIX}*")), sorted(os.listdir(run_dir))
     _wait_for(lambda: not _raylets() - raylets_before, 30, "the stopped stage's Ray to shut down")
 
 

@@ -16,29 +16,35 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.train.context import CHECKPOINT_PREFIX, STATE_FILE, TrainContext
+from pipeline.train.context import STAGING_PREFIX, STAGING_SUFFIX, STATE_FILE, TrainContext
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+def rng_state(device: torch.device) -> dict:
+    """The rank's RNG states; on a GPU also the device's generator (dropout and drop-path draw from it)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:  # absent when the run was checkpointed on a CPU
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def gather_rng_states() -> list[dict]:
+def gather_rng_states(device: torch.device) -> list[dict]:
     """Every rank's RNG state, gathered so rank 0 can store them all."""
     if not (dist.is_available() and dist.is_initialized()):
-        return [rng_state()]
+        return [rng_state(device)]
     states: list = [None] * dist.get_world_size()
-    dist.all_gather_object(states, rng_state())
+    dist.all_gather_object(states, rng_state(device))
     return states
 
 
@@ -52,7 +58,7 @@ class Progress:
 
 def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress: Progress, extra: dict) -> None:
     """All ranks call this (Ray Train wants a report from each); rank 0 attaches the checkpoint."""
-    rngs = gather_rng_states()
+    rngs = gather_rng_states(ctx.device)
     if ctx.rank != 0:
         ctx.report(metrics, None)
         return
@@ -60,7 +66,7 @@ def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress
     state["model"] = unwrap(objects["model"]).state_dict()
     state.update(epoch=progress.epoch, batch_in_epoch=progress.batch_in_epoch, step=progress.step,
                  history=progress.history, rng=rngs, **extra)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_PREFIX}", suffix=".tmp", dir=ctx.staging_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=STAGING_SUFFIX, dir=ctx.staging_dir))
     try:
         torch.save(state, tmp / STATE_FILE)
         ctx.report(metrics, str(tmp))
@@ -83,5 +89,5 @@ def restore(objects: dict, *, ctx: TrainContext) -> Progress | None:
         if name != "model" and obj is not None and name in state:
             obj.load_state_dict(state[name])
     rngs = state["rng"]
-    set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0])
+    set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0], ctx.device)
     return Progress(state["epoch"], state["batch_in_epoch"], state["step"], state["history"])

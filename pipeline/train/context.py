@@ -21,6 +21,7 @@ import torch
 CHECKPOINT_PREFIX = "checkpoint_"
 LOCAL_SUFFIX = "_local"  # checkpoints the local runner wrote (and may prune)
 STATE_FILE = "state.pt"
+STAGING_PREFIX, STAGING_SUFFIX = "." + CHECKPOINT_PREFIX, ".tmp"  # a checkpoint rank 0 is writing, before report()
 
 
 class TrainContext:
@@ -52,14 +53,16 @@ class RayContext(TrainContext):
     """Ray Train's worker context. ``resume_from`` (a checkpoint of this run written by the local
     runner) is used only when Ray has no checkpoint of its own for the run."""
 
-    def __init__(self, resume_from: Optional[str] = None):
+    def __init__(self, resume_from: Optional[str] = None, staging_dir: Optional[str] = None):
         import ray.train
         import ray.train.torch
 
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
-        self.resume_from = resume_from
+        self.resume_from, self.staging_dir = resume_from, staging_dir
+        if staging_dir and self.rank == 0:
+            Path(staging_dir).mkdir(parents=True, exist_ok=True)
 
     def prepare_model(self, model):
         import ray.train.torch
@@ -140,6 +143,16 @@ def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
     kept = set(list_checkpoints(run_dir)[-keep:])
     doomed = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in kept
                     and p.name.lstrip(".").startswith(CHECKPOINT_PREFIX))
+    for name in doomed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return doomed
+
+
+def remove_staging(run_dir: str) -> list[str]:
+    """Remove the checkpoints that were being written when their rank was killed (never reported)."""
+    root = Path(run_dir)
+    doomed = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith(STAGING_PREFIX)
+                    and p.name.endswith(STAGING_SUFFIX)) if root.is_dir() else []
     for name in doomed:
         shutil.rmtree(root / name, ignore_errors=True)
     return doomed

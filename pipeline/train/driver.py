@@ -23,7 +23,7 @@ from pipeline.config import ConfigError, Params, RayConfig, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.model import VisionTransformer
 from pipeline.train.checkpoint import load_state
-from pipeline.train.context import latest_checkpoint, prune_checkpoints
+from pipeline.train.context import latest_checkpoint, prune_checkpoints, remove_staging
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.selection import Selection
 from pipeline.utils import atomic_write_text
@@ -114,20 +114,25 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
     run_dir = None if storage_fs is not None or storage.is_url(storage_path) else str(Path(storage_path) / spec.run_name)
     run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=resolve_tracking_uri(params.tracking_uri),
-                  resume_from=latest_checkpoint(run_dir) if run_dir else None,
+                  resume_from=latest_checkpoint(run_dir) if run_dir else None, staging_dir=run_dir,
                   step_hooks=step_hooks_from_env() + tuple(step_hooks))
     loop, world = spec.loop, world_size(params.ray)
     print(f"[{spec.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
           f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "
           f"{loop.steps_per_epoch} steps/epoch x {loop.epochs} epochs, {loop.loader_workers} loader worker(s) "
           f"per rank, run {spec.run_name}", flush=True)
-    if params.ray.backend == "local":
-        if run_dir is None:
-            raise ValueError(f"ray.backend: local writes checkpoints to a local ray.storage_path, "
-                             f"got {params.ray.storage_path!r}")
-        final, checkpoint = _fit_local(spec, run, params, run_dir)
-    else:
-        final, checkpoint = _fit_ray(spec, run, params, storage_path, storage_fs)
+    if params.ray.backend == "local" and run_dir is None:
+        raise ValueError(f"ray.backend: local writes checkpoints to a local ray.storage_path, "
+                         f"got {params.ray.storage_path!r}")
+    try:
+        if params.ray.backend == "local":
+            final, checkpoint = _fit_local(spec, run, params, run_dir)
+        else:
+            final, checkpoint = _fit_ray(spec, run, params, storage_path, storage_fs)
+    except BaseException:  # failed or interrupted: a rank killed while writing a checkpoint left it half-written
+        if run_dir:
+            remove_staging(run_dir)
+        raise
     if run_dir:
         prune_checkpoints(run_dir, params.ray.checkpoints_to_keep)
     selection = Selection()
