@@ -14,7 +14,7 @@ import shutil
 import zipfile
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -137,25 +137,22 @@ def list_checkpoints(run_dir: str) -> list[str]:
 def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
     """Keep the newest ``keep`` complete checkpoints of a finished run; remove older ones and any
     partial ones that interrupted attempts left behind (Ray prunes only those it tracked)."""
-    root = Path(run_dir)
-    if not root.is_dir():
-        return []
     kept = set(list_checkpoints(run_dir)[-keep:])
-    doomed = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in kept
-                    and p.name.lstrip(".").startswith(CHECKPOINT_PREFIX))
-    for name in doomed:
-        shutil.rmtree(root / name, ignore_errors=True)
-    return doomed
+    return _remove_dirs(run_dir, lambda name: name not in kept and name.lstrip(".").startswith(CHECKPOINT_PREFIX))
 
 
 def remove_staging(run_dir: str) -> list[str]:
     """Remove the checkpoints that were being written when their rank was killed (never reported)."""
+    return _remove_dirs(run_dir, lambda name: name.startswith(STAGING_PREFIX) and name.endswith(STAGING_SUFFIX))
+
+
+def _remove_dirs(run_dir: str, doomed: Callable[[str], bool]) -> list[str]:
+    """Remove the folders of ``run_dir`` whose names ``doomed`` picks; their names, sorted."""
     root = Path(run_dir)
-    doomed = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith(STAGING_PREFIX)
-                    and p.name.endswith(STAGING_SUFFIX)) if root.is_dir() else []
-    for name in doomed:
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and doomed(p.name)) if root.is_dir() else []
+    for name in names:
         shutil.rmtree(root / name, ignore_errors=True)
-    return doomed
+    return names
 
 
 def latest_checkpoint(run_dir: str) -> Optional[str]:
