@@ -30,11 +30,23 @@ def fail_once(step: int, ctx, spec: str) -> None:
     raise RuntimeError(f"injected failure at step {step}")
 
 
+def record_staging(step: int, ctx, out: str) -> None:
+    """Rank 0, at its first step: write its checkpoint staging folder and the names in it to ``out``."""
+    if ctx.rank == 0 and not Path(out).exists():
+        names = sorted(p.name for p in Path(ctx.staging_dir).iterdir())
+        Path(out).write_text("\n".join([ctx.staging_dir, *names]))
+
+
+def hook_env(hook: str) -> dict[str, str]:
+    """Environment for a stage whose ranks call ``hook`` (``function=argument``, of this module)."""
+    path = os.environ.get("PYTHONPATH")
+    return {"VIT_STEP_HOOKS": f"tests.faults:{hook}",
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+
+
 def fault_env(spec: str) -> dict[str, str]:
     """Environment for a stage that should fail once as ``spec`` says (see :func:`fail_once`)."""
-    path = os.environ.get("PYTHONPATH")
-    return {"VIT_STEP_HOOKS": f"tests.faults:fail_once={spec}",
-            "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+    return hook_env(f"fail_once={spec}")
 
 
 def inject_fault(monkeypatch, spec: str) -> None:

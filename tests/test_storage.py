@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from pipeline import storage
-from tests.faults import fault_env
+from tests.faults import fault_env, hook_env
 from tests.repo_copy import copy_repo_files
 from pipeline.config import DataConfig
+from pipeline.train.context import STAGING_PREFIX, STAGING_SUFFIX, node_staging_dir
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,9 +129,16 @@ def test_job_shards_to_bucket_trains_checkpoints_and_resumes(s3_server, mlflow_s
     shutil.rmtree(scratch)
 
     # 3. Re-run on a wiped disk: Ray Train restores the run from the bucket and finishes epoch 2 only.
-    done = job("pretrain")
+    # Checkpoints are staged in the node's temp dir; plant what a rank killed mid-save leaves there.
+    staging = Path(node_staging_dir(re.search(r"run (pretrain-\w+)", fail.stdout).group(1)))
+    assert not staging.exists(), "the failed stage left its staging folder"
+    (staging / f"{STAGING_PREFIX}planted{STAGING_SUFFIX}").mkdir(parents=True)
+    seen = tmp_path / "staging-at-start.txt"
+    done = job("pretrain", **hook_env(f"record_staging={seen}"))
     logs = done.stdout + done.stderr
     assert done.returncode == 0, logs[-5000:]
+    assert seen.read_text() == str(staging), "rank 0 must clear an earlier attempt's half-written checkpoints"
+    assert not staging.exists(), "nothing of the run may stay in the node's temp dir"
     assert re.search(r"\[pretrain\] resumed from checkpoint", logs), logs[-3000:]
     assert "epoch 2/2" in logs and "epoch 1/2" not in logs
     keys = s3_server.keys("ws/")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import tempfile
 import zipfile
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +23,7 @@ CHECKPOINT_PREFIX = "checkpoint_"
 LOCAL_SUFFIX = "_local"  # checkpoints the local runner wrote (and may prune)
 STATE_FILE = "state.pt"
 STAGING_PREFIX, STAGING_SUFFIX = "." + CHECKPOINT_PREFIX, ".tmp"  # a checkpoint rank 0 is writing, before report()
+NODE_STAGING = "vit-pipeline-staging"  # in the node's temp dir: staging when checkpoints go to object storage
 
 
 class TrainContext:
@@ -30,7 +32,7 @@ class TrainContext:
     rank: int
     world_size: int
     device: torch.device
-    staging_dir: Optional[str] = None  # where rank 0 writes a checkpoint before report(); None: the temp dir
+    staging_dir: Optional[str] = None  # where rank 0 writes a checkpoint before report()
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError
@@ -51,7 +53,8 @@ def _fallback(resume_from: Optional[str]) -> contextlib.AbstractContextManager[O
 
 class RayContext(TrainContext):
     """Ray Train's worker context. ``resume_from`` (a checkpoint of this run written by the local
-    runner) is used only when Ray has no checkpoint of its own for the run."""
+    runner) is used only when Ray has no checkpoint of its own for the run. ``staging_dir`` is the run's
+    folder when checkpoints are on a local disk; by default, the run's folder in rank 0's temp dir."""
 
     def __init__(self, resume_from: Optional[str] = None, staging_dir: Optional[str] = None):
         import ray.train
@@ -60,9 +63,10 @@ class RayContext(TrainContext):
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
-        self.resume_from, self.staging_dir = resume_from, staging_dir
-        if staging_dir and self.rank == 0:
-            Path(staging_dir).mkdir(parents=True, exist_ok=True)
+        self.resume_from = resume_from
+        self.staging_dir = staging_dir or node_staging_dir(ctx.get_experiment_name())
+        if self.rank == 0:
+            prepare_staging(self.staging_dir)
 
     def prepare_model(self, model):
         import ray.train.torch
@@ -93,7 +97,7 @@ class LocalContext(TrainContext):
         self.device = local_device(use_gpu)
         self.run_dir, self.keep, self.resume_from = run_dir, keep, resume_from
         self.staging_dir = run_dir
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        prepare_staging(run_dir)
 
     def prepare_model(self, model):
         return model.to(self.device)
@@ -114,6 +118,18 @@ def local_device(use_gpu: bool) -> torch.device:
         raise ValueError("ray.use_gpu: true with ray.backend: local needs a CUDA device and torch sees none "
                          "(set ray.use_gpu: false to train on the CPU)")
     return torch.device("cuda" if use_gpu else "cpu")
+
+
+def node_staging_dir(run_name: str) -> str:
+    """This node's staging folder for a run whose checkpoints go to object storage."""
+    return str(Path(tempfile.gettempdir()) / NODE_STAGING / run_name)
+
+
+def prepare_staging(staging_dir: str) -> None:
+    """Rank 0, before the run's first checkpoint: the folder exists, and checkpoints that an earlier
+    attempt of this run was writing here when it was killed are gone (one attempt runs at a time)."""
+    Path(staging_dir).mkdir(parents=True, exist_ok=True)
+    remove_staging(staging_dir)
 
 
 def checkpoint_name() -> str:

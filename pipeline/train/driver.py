@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from pipeline.config import ConfigError, Params, RayConfig, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.model import VisionTransformer
 from pipeline.train.checkpoint import load_state
-from pipeline.train.context import latest_checkpoint, prune_checkpoints, remove_staging
+from pipeline.train.context import latest_checkpoint, node_staging_dir, prune_checkpoints, remove_staging
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.selection import Selection
 from pipeline.utils import atomic_write_text
@@ -133,6 +134,9 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
         if run_dir:
             remove_staging(run_dir)
         raise
+    finally:  # object storage: the staging folder on this node (rank 0's, on one machine) holds nothing to keep
+        if not run_dir:
+            shutil.rmtree(node_staging_dir(spec.run_name), ignore_errors=True)
     if run_dir:
         prune_checkpoints(run_dir, params.ray.checkpoints_to_keep)
     selection = Selection()
