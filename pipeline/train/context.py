@@ -32,7 +32,7 @@ class TrainContext:
     rank: int
     world_size: int
     device: torch.device
-    staging_dir: Optional[str] = None  # where rank 0 writes a checkpoint before report()
+    staging_dir: str  # where rank 0 writes a checkpoint before report() (both runners set it)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError
