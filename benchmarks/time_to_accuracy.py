@@ -6,7 +6,8 @@ then measure the kept weights' top-1 on the test split.
 The stages' own pieces run here (``plan_stage``, ``fit``, ``pretrain_start``, ``load_finetune_start``,
 ``stage_summary``) with ``ray.backend: local`` (one rank, in this process) and no MLflow run, so it
 imports neither Ray nor MLflow nor DVC: it runs on a GPU box that has only torch, torchvision,
-webdataset, pyarrow, safetensors and PyYAML.
+webdataset, PyYAML, Pillow, pyarrow, safetensors, scikit-learn and matplotlib (tested: every other
+requirement is blocked in its tests).
 
 Resumable: checkpoints go to ``--workdir/<stage>-<hash>/`` (the run name is a hash of the recipe,
 data and initial weights), so the same command run again continues an interrupted stage and does

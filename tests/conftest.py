@@ -1,7 +1,9 @@
 """Shared fixtures for the infra tests: free loopback ports, a real MLflow server, process-group teardown."""
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import shutil
 import signal
 import socket
@@ -106,10 +108,33 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, lo
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s: {log.read_text()[-3000:] if log else ''}")
 
 
-def run_without_ray_mlflow_dvc(script: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python script args`` in the repository root with the imports of Ray, MLflow and DVC blocked,
-    as on the lent GPU machine, where they are not installed."""
-    blocked = ("import runpy, sys\nfor m in ('ray', 'mlflow', 'dvc'): sys.modules[m] = None\n"
+# What the GPU-box commands (README "On one GPU": benchmarks/train_throughput.py, time_to_accuracy.py)
+# may import of requirements.txt; the README lists the same. setuptools: torch.compile on a CPU (inductor
+# builds C++ through torch.utils.cpp_extension).
+GPU_BOX_REQUIREMENTS = ("torch", "torchvision", "webdataset", "pyyaml", "pillow", "pyarrow", "safetensors",
+                        "scikit-learn", "matplotlib", "setuptools")
+
+
+def _dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def gpu_box_blocked_imports() -> list[str]:
+    """Import names of every requirement in requirements.txt that is not on :data:`GPU_BOX_REQUIREMENTS`
+    (Ray, MLflow, DVC, ONNX, S3, ...): what a plain GPU box may lack."""
+    lines = (line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines())
+    required = {_dist(re.split(r"[\[=<>~ ]", line)[0]) for line in lines if line}
+    box = {_dist(name) for name in GPU_BOX_REQUIREMENTS}
+    assert box <= required, f"not in requirements.txt: {sorted(box - required)}"
+    dists = importlib.metadata.packages_distributions()
+    return sorted(name for name, of in dists.items()
+                  if {_dist(d) for d in of} & (required - box) and not {_dist(d) for d in of} & box)
+
+
+def run_as_on_gpu_box(script: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python script args`` in the repository root with every import blocked that a GPU box with only
+    :data:`GPU_BOX_REQUIREMENTS` would lack (the lent GPU machine has no Ray, MLflow or DVC)."""
+    blocked = (f"import runpy, sys\nfor m in {gpu_box_blocked_imports()!r}: sys.modules[m] = None\n"
                "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
     return subprocess.run([sys.executable, "-c", blocked, script, *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)

@@ -10,7 +10,7 @@ from pipeline.config import TrainConfig
 from pipeline.model import build_vit
 from pipeline.train.loop_config import LoopConfig
 from pipeline.train.worker import Stepper
-from tests.conftest import run_without_ray_mlflow_dvc
+from tests.conftest import run_as_on_gpu_box
 
 
 def _cfg(model: dict, **kw) -> LoopConfig:
@@ -61,11 +61,11 @@ def test_accumulated_step_equals_one_big_step():
 
 def test_throughput_benchmark_runs_on_cpu(digits_dir):
     """The README's benchmark command, shortened, compiled and with --compare-eager (the GPU runbook's
-    form): it measures every side and prints the feed ratio, and runs where Ray, MLflow and DVC are not
-    installed (as on the lent GPU machine). The uncompiled form runs in test_time_to_accuracy.py."""
-    proc = run_without_ray_mlflow_dvc("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "2",
-                                      "--rounds", "1", "--set", "ray.loader_workers=1", "--set", "model.depth=1",
-                                      "--set", "pretrain.compile=true", "--compare-eager")
+    form): it measures every side and prints the feed ratio, and runs where Ray, MLflow, DVC, ONNX and
+    the rest that a GPU box may lack are not installed (conftest.GPU_BOX_REQUIREMENTS). The uncompiled form runs in test_time_to_accuracy.py."""
+    proc = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "2",
+                             "--rounds", "1", "--set", "ray.loader_workers=1", "--set", "model.depth=1",
+                             "--set", "pretrain.compile=true", "--compare-eager")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in proc.stdout.splitlines() if ":" in line}
     alone, eager, fed = (float(lines[f"median {k}"].split()[0]) for k in ("model alone", "eager alone", "full loop"))

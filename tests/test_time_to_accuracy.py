@@ -1,5 +1,5 @@
 """benchmarks/time_to_accuracy.py, the README's one GPU command, shrunk to the digits shards on the CPU
-with Ray, MLflow and DVC blocked (as on the lent GPU box): a time budget stops it at an epoch-end
+with every requirement a GPU box may lack blocked (Ray, MLflow, DVC, ONNX, ...): a time budget stops it at an epoch-end
 checkpoint, the same command continues, a finished run is not retrained, and its test top-1 is what
 the evaluate stage's own prediction of the saved weights gives."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from pipeline.data import read_dataset_info
 from pipeline.evaluate import predict_split
 from pipeline.model import load_model
-from tests.conftest import run_without_ray_mlflow_dvc
+from tests.conftest import run_as_on_gpu_box
 
 SCRIPT = "benchmarks/time_to_accuracy.py"
 TINY = ("--set", "model.depth=1", "--set", "pretrain.epochs=2", "--set", "finetune.epochs=1",
@@ -43,12 +43,12 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
     command = ("--shards", digits_dir, "--workdir", tmp_path / "work", *TINY, "--set", "pretrain.epochs=3",
                "--set", "pretrain.checkpoint_every_epochs=2", "--max-minutes", "0", "--out", out)
 
-    first = run_without_ray_mlflow_dvc(SCRIPT, *command)
+    first = run_as_on_gpu_box(SCRIPT, *command)
     assert first.returncode == 75, first.stderr[-3000:]
     assert "run the same command again" in first.stdout and not out.exists()
     assert TRAINED.findall(first.stdout) == ["[pretrain] epoch 1/3 ", "[pretrain] epoch 2/3 "]
 
-    second = run_without_ray_mlflow_dvc(SCRIPT, *command)
+    second = run_as_on_gpu_box(SCRIPT, *command)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "[pretrain] resumed from checkpoint: epoch 2, batch 0" in second.stdout
     assert TRAINED.findall(second.stdout) == ["[pretrain] epoch 3/3 ", "[finetune] epoch 1/1 "]
@@ -62,7 +62,7 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
     top1, count = saved_test_top1(report["model_dir"], digits_dir)
     assert count == report["test_images"] and top1 == pytest.approx(report["test_top1"], abs=1e-12)
 
-    third = run_without_ray_mlflow_dvc(SCRIPT, *command)  # both runs finished: nothing to train
+    third = run_as_on_gpu_box(SCRIPT, *command)  # both runs finished: nothing to train
     assert third.returncode == 0, third.stderr[-3000:]
     assert TRAINED.findall(third.stdout) == []
     assert "[pretrain] run already finished, nothing to train: epoch 3, batch 0" in third.stdout
@@ -73,11 +73,11 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
 
 
 def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
-    missing = run_without_ray_mlflow_dvc(SCRIPT, "--shards", tmp_path / "nope", "--workdir", tmp_path / "work")
-    unknown = run_without_ray_mlflow_dvc(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                                         "--set", "pretrain.nope=1")
-    no_gpu = run_without_ray_mlflow_dvc(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                                        "--set", "ray.use_gpu=true")  # this machine has no CUDA device
+    missing = run_as_on_gpu_box(SCRIPT, "--shards", tmp_path / "nope", "--workdir", tmp_path / "work")
+    unknown = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                                "--set", "pretrain.nope=1")
+    no_gpu = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                               "--set", "ray.use_gpu=true")  # this machine has no CUDA device
     for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope"),
                         (no_gpu, "ray.use_gpu: true")):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
@@ -102,8 +102,8 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
         "pretrain.epochs=1", "finetune.epochs=1", "pretrain.global_batch_size=16",
         "finetune.global_batch_size=16", "pretrain.compile=false", "finetune.compile=false")]
     out, shards = tmp_path / "tta.json", tmp_path / "work" / "cifar10-shards"
-    proc = run_without_ray_mlflow_dvc(SCRIPT, "--recipe", "configs/cifar10-1gpu.yaml", "--cifar", "--cifar-tarball",
-                                      tarball, "--workdir", tmp_path / "work", *cpu_sized, "--out", out)
+    proc = run_as_on_gpu_box(SCRIPT, "--recipe", "configs/cifar10-1gpu.yaml", "--cifar", "--cifar-tarball",
+                             tarball, "--workdir", tmp_path / "work", *cpu_sized, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = read_dataset_info(shards)
     assert info["classes"] == ["cat", "dog", "eel"] and info["counts"]["test"] == 90
@@ -114,9 +114,9 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
 
     # the README's feed-ratio command before it, on the same tarball: the same shards, its figures
     tp_shards = tmp_path / "tp-shards"
-    bench = run_without_ray_mlflow_dvc("benchmarks/train_throughput.py", "--recipe", "configs/cifar10-1gpu.yaml",
-                                       "--cifar", "--cifar-tarball", tarball, "--shards", tp_shards, *cpu_sized,
-                                       "--steps", "1", "--rounds", "1", "--compare-eager")
+    bench = run_as_on_gpu_box("benchmarks/train_throughput.py", "--recipe", "configs/cifar10-1gpu.yaml",
+                              "--cifar", "--cifar-tarball", tarball, "--shards", tp_shards, *cpu_sized,
+                              "--steps", "1", "--rounds", "1", "--compare-eager")
     assert bench.returncode == 0, bench.stderr[-3000:]
     assert "feed ratio" in bench.stdout and "batch 16" in bench.stdout
     assert read_dataset_info(tp_shards)["shards"] == info["shards"]  # sharded as the recipe says, both ways
