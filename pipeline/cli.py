@@ -59,20 +59,45 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
         params: Params = load_params(path)
         with stage_lock(name or fn.__name__):
             fn(params, *args)
-    except ConfigError as exc:
-        _fail(f"error: {exc}", EXIT_CONFIG)
-    except StageBusy as exc:
-        _fail(f"error: {exc}", EXIT_BUSY)
-    except ValueError as exc:
-        _fail(f"error: {type(exc).__name__}: {exc}", EXIT_FAILED)
-    except OSError as exc:  # a missing input, a full disk, a read-only directory: the path and the reason
-        where = f"{exc.filename}: " if exc.filename else ""
-        _fail(f"error: {where}{exc.strerror or exc}", EXIT_FAILED)
     except KeyboardInterrupt as exc:
         signum = received(exc)
         _fail(f"error: stopped by {signal.Signals(signum).name}; outputs of this stage were not "
               f"replaced, its MLflow run is marked KILLED; run it again to resume from the last checkpoint",
               128 + signum)
+    except Exception as exc:
+        known = _known_failure(_raised_on_ray_worker(exc))
+        if known is None:
+            raise  # a bug: the traceback is what its reader needs
+        _fail(*known)
+
+
+def _known_failure(exc: BaseException) -> tuple[str, int] | None:
+    """The one line and exit code for a problem the README's "When things go wrong" lists, else None."""
+    if isinstance(exc, ConfigError):
+        return f"error: {exc}", EXIT_CONFIG
+    if isinstance(exc, StageBusy):
+        return f"error: {exc}", EXIT_BUSY
+    if isinstance(exc, ValueError):
+        return f"error: {type(exc).__name__}: {exc}", EXIT_FAILED
+    if isinstance(exc, OSError):  # a missing input, a full disk, a read-only directory: the path and the reason
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"error: {where}{exc.strerror or exc}", EXIT_FAILED
+    return None
+
+
+def _raised_on_ray_worker(exc: BaseException) -> BaseException:
+    """What a Ray task or Ray Train rank raised, out of Ray's wrapper (whose message is the remote
+    traceback): a damaged shard met on a worker then reads like one met in this process."""
+    if "ray" not in sys.modules:  # the local runner: nothing is wrapped
+        return exc
+    from ray.exceptions import RayTaskError
+    from ray.train import WorkerGroupError
+
+    if isinstance(exc, RayTaskError):
+        return exc.cause
+    if isinstance(exc, WorkerGroupError) and exc.worker_failures:
+        return exc.worker_failures[min(exc.worker_failures)]
+    return exc
 
 
 def _fail(message: str, code: int) -> None:

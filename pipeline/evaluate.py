@@ -13,7 +13,7 @@ import torch
 from pipeline import storage
 from pipeline.cluster import worker_resources, world_size
 from pipeline.config import Params
-from pipeline.data import make_eval_loader, read_dataset_info
+from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info
 from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
 from pipeline.model import ViTConfig, VisionTransformer, attention_maps, load_model
 from pipeline.outputs import staged_outputs
@@ -117,6 +117,7 @@ OUTPUTS = [PLOTS / n for n in ("confusion.csv", "per_class.csv", "confusion.png"
 def evaluate(params: Params) -> dict:
     shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)
+    check_shard_files(shard_dir, info)
     model, meta = load_model(MODELS / "finetune")
     size, normalize, classes = meta["image_size"], meta["normalize"], meta["classes"]
     with staged_outputs(*OUTPUTS) as out, \

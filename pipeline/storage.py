@@ -84,6 +84,14 @@ def filesystem(url: str):
     return fs, path
 
 
+def file_sizes(folder) -> dict[str, int]:
+    """``{name: bytes}`` of the files directly in a local folder or under an object-store prefix."""
+    fs, root = filesystem(str(folder))
+    fs.invalidate_cache()
+    entries = fs.ls(root, detail=True) if fs.isdir(root) else []
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["size"] for e in entries if e["type"] == "file"}
+
+
 def ray_storage(storage_path: Optional[str], default: str = ".ray_results"):
     """``(storage_path, storage_filesystem)`` for Ray Train's ``RunConfig``.
 

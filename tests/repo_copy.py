@@ -84,5 +84,5 @@ def pretrain_runs(repo: Path):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
-    exp = client.get_experiment_by_name("vit-pipeline")
-    return client, client.search_runs([exp.experiment_id], "tags.stage = 'pretrain'")
+    exp = client.get_experiment_by_name("vit-pipeline")  # None before any stage has logged
+    return client, client.search_runs([exp.experiment_id], "tags.stage = 'pretrain'") if exp else []

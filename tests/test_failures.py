@@ -118,6 +118,63 @@ def test_unwritable_output_fails_before_the_work(repo, tmp_path):
     assert not list(repo.rglob(f"{PARTIAL}*"))
 
 
+@pytest.mark.slow
+def test_cut_short_shard_stops_the_stage_before_ray(repo):
+    """A shard shorter than dataset.json says (an interrupted copy) ends the stage with one line naming
+    it, both sizes and what to do, before Ray or MLflow start."""
+    shard = repo / "data/shards/pretrain/train-000001.tar"
+    whole = shard.read_bytes()
+    _, runs_before = pretrain_runs(repo)
+    try:
+        shard.write_bytes(whole[:30000])
+        start = time.monotonic()
+        proc = run(["python", "-m", "stages.pretrain"], repo, timeout=120)
+    finally:
+        shard.write_bytes(whole)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: TarFormatError: data/shards/pretrain/train-000001.tar: 30,000 bytes, but the shard stage wrote "
+        f"{len(whole):,} (data/shards/pretrain/dataset.json): cut short or changed since; run the shard stage "
+        f"again (dvc repro, or python -m stages.shard pretrain)"]
+    assert "Ray Train" not in proc.stdout and time.monotonic() - start < 60
+    assert len(pretrain_runs(repo)[1]) == len(runs_before)
+
+
+@pytest.mark.slow
+def test_shard_damaged_inside_fails_on_the_ray_worker_and_ends_in_one_line(tmp_path):
+    """Damage that keeps the size (a corrupt tar header) is met by a Ray Train rank: the stage's last
+    line is the rank's error, not Ray's wrapper with the remote traceback in it."""
+    repo = sharded_short_run(tmp_path / "repo")
+    shard = repo / "data/shards/pretrain/train-000000.tar"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:148] + b"0000001\0" + whole[156:])  # the first header's checksum field
+    proc = run(["python", "-m", "stages.pretrain"], repo, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: TarFormatError: {shard}: tar header checksum mismatch: not a tar file, or corrupt")
+
+
+@pytest.mark.parametrize("wrap", ["task", "train"])
+def test_errors_raised_on_ray_workers_are_reported_as_their_own(wrap):
+    """A Ray task's error (evaluate) and a Ray Train rank's (training) come out of Ray's wrapper before
+    the stage reports them; an unknown one stays a traceback."""
+    from ray.exceptions import RayTaskError
+    from ray.train import WorkerGroupError
+
+    from pipeline.cli import _known_failure, _raised_on_ray_worker
+    from pipeline.data.tario import TarFormatError
+
+    def wrapped(exc):
+        if wrap == "task":
+            return RayTaskError("_predict_rank", "Traceback (most recent call last): ...", exc).as_instanceof_cause()
+        return WorkerGroupError("rank 0: Traceback ...", {1: RuntimeError("rank 1 saw rank 0 go"), 0: exc})
+
+    bad_shard = wrapped(TarFormatError("/data/test-000001.tar: truncated tar archive (a 304-byte header)"))
+    assert _known_failure(_raised_on_ray_worker(bad_shard)) == (
+        "error: TarFormatError: /data/test-000001.tar: truncated tar archive (a 304-byte header)", 1)
+    assert _known_failure(_raised_on_ray_worker(wrapped(KeyError("a bug")))) is None
+
+
 def test_staged_outputs_publish_together_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("models/m").mkdir(parents=True)

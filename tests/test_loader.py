@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pipeline.config import DataConfig
-from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
+from pipeline.data import check_shard_files, make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
+from pipeline.data.tario import TarFormatError
 from tests.data_helpers import all_keys, make_imagefolder, tar_keys
 
 
@@ -363,6 +364,39 @@ def test_loader_reads_url_prefix(tmp_path, digits_dir):
     n = sum(len(y) for _, y in make_eval_loader(url, "val", batch_size=64, image_size=8, rank=0,
                                                 world_size=1, augment={}))
     assert n == 180
+
+
+def test_shard_files_checked_against_dataset_json(tmp_path, digits_dir):
+    """Before a stage reads them: a shard cut short (here at a member boundary, which a tar reader takes
+    for the end of the archive and so would lose samples quietly) or missing is named with what to do;
+    shards from before sizes were recorded are checked for presence only; an object-store prefix too."""
+    import fsspec
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for p in digits_dir.iterdir():
+        (shards / p.name).write_bytes(p.read_bytes())
+    info = read_dataset_info(shards)
+    check_shard_files(shards, info)
+    victim = info["shards"]["train"][1]
+    path = shards / victim["name"]
+    path.write_bytes(path.read_bytes()[:10 * 512])
+    with pytest.raises(TarFormatError) as cut:
+        check_shard_files(shards, info)
+    assert f"{path}: 5,120 bytes, but the shard stage wrote {victim['bytes']:,}" in str(cut.value)
+    assert "python -m stages.shard shards" in str(cut.value)
+    check_shard_files(shards, {"shards": {"train": [{k: v for k, v in victim.items() if k != "bytes"}]}})
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match="shard missing") as gone:
+        check_shard_files(shards, info)
+    assert gone.value.filename == str(path)
+
+    fs = fsspec.filesystem("memory")
+    for p in digits_dir.iterdir():
+        fs.pipe(f"/checked/{p.name}", p.read_bytes())
+    check_shard_files("memory://checked", info)
+    fs.pipe(f"/checked/{victim['name']}", b"")
+    with pytest.raises(TarFormatError, match=f"memory://checked/{victim['name']}: 0 bytes"):
+        check_shard_files("memory://checked", info)
 
 
 def test_augment_dataset_normalisation(digits_dir):

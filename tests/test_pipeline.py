@@ -299,6 +299,23 @@ def test_second_repro_is_a_noop(repro):
     assert "up to date" in proc.stdout.lower()
 
 
+def test_evaluate_names_a_missing_test_shard_before_ray(repro):
+    """The evaluate stage checks the shards against dataset.json first: one line, outputs kept."""
+    repo, _ = repro
+    shard = repo / "data/shards/finetune/test-000001.tar"
+    metrics = (repo / "metrics/evaluate.json").read_text()
+    hidden = shard.rename(shard.with_suffix(".hidden"))
+    try:
+        proc = run(["python", "-m", "stages.evaluate"], repo, timeout=120)
+    finally:
+        hidden.rename(shard)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: data/shards/finetune/test-000001.tar: shard missing (listed in data/shards/finetune/dataset.json); "
+        "run the shard stage again (dvc repro, or python -m stages.shard finetune)"]
+    assert (repo / "metrics/evaluate.json").read_text() == metrics
+
+
 def _test_images(repo: Path, n: int, out: Path) -> list[Path]:
     """The first ``n`` real test images, extracted from the finetune test shards."""
     out.mkdir(parents=True, exist_ok=True)

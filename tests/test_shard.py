@@ -31,6 +31,7 @@ def test_digits_counts_and_each_sample_once(digits_dir):
         for sh in info["shards"][split]:
             k = tar_keys(digits_dir / sh["name"])
             assert len(k) == sh["count"] <= 200
+            assert sh["bytes"] == (digits_dir / sh["name"]).stat().st_size
             keys += k
     assert len(keys) == len(set(keys)) == 1797
     import pyarrow.parquet as pq

@@ -14,6 +14,7 @@ split still divides exactly.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from itertools import islice
@@ -23,12 +24,12 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.storage import is_url, join as _join
+from pipeline.storage import file_sizes, is_url, join as _join
 
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
-from .tario import IndexedShards, tarfile_samples
+from .tario import IndexedShards, TarFormatError, tarfile_samples
 from .transforms import BatchFinish, SampleTransform
 
 _FSSPEC_SCHEMES = ("s3", "gcs", "az", "abfs", "memory")
@@ -54,6 +55,23 @@ def read_dataset_info(shard_dir) -> dict:
         raise FileNotFoundError(f"{path} not found: is {shard_dir} the output of shard_dataset()?")
     with open(path) as f:
         return json.load(f)
+
+
+def check_shard_files(shard_dir, info: dict) -> None:
+    """Every shard ``dataset.json`` lists is there, at the size the shard stage wrote (shards from before
+    sizes were recorded: presence only). Training and evaluation call this before they start: a tar cut
+    short by an interrupted copy or sync would otherwise fail on a Ray worker (and again on each retry),
+    or, cut at a member boundary, quietly lose samples."""
+    sizes, listing = file_sizes(shard_dir), _join(shard_dir, "dataset.json")
+    name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
+    redo = f"run the shard stage again (dvc repro, or python -m stages.shard {name})"
+    for shard in (s for split in info["shards"].values() for s in split):
+        path, size = _join(shard_dir, shard["name"]), sizes.get(shard["name"])
+        if size is None:
+            raise FileNotFoundError(errno.ENOENT, f"shard missing (listed in {listing}); {redo}", path)
+        if size != shard.get("bytes", size):
+            raise TarFormatError(f"{path}: {size:,} bytes, but the shard stage wrote {shard['bytes']:,} ({listing}): "
+                                 f"cut short or changed since; {redo}")
 
 
 def eval_reader_shards(shards: list, rank: int, world_size: int, worker: int, num_workers: int):

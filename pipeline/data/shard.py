@@ -153,7 +153,8 @@ class _SplitWriter:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        return [{"name": name, "count": count, "sha256": _sha256(Path(self.pattern).parent / name)}
+        folder = Path(self.pattern).parent
+        return [{"name": name, "count": count, "bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
                 for name, count in self.counts.items()]
 
 

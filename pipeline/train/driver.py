@@ -21,7 +21,7 @@ import torch
 from pipeline import storage
 from pipeline.cluster import check_local_capacity, worker_resources, world_size
 from pipeline.config import ConfigError, Params, RayConfig, TrainConfig
-from pipeline.data import read_dataset_info
+from pipeline.data import check_shard_files, read_dataset_info
 from pipeline.model import VisionTransformer
 from pipeline.train.checkpoint import load_state
 from pipeline.train.context import latest_checkpoint, node_staging_dir, prune_checkpoints, remove_staging
@@ -82,6 +82,7 @@ def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTr
                 shard_dir: str) -> RunSpec:
     """Everything the ranks need, and the run name that identifies this exact run."""
     info = read_dataset_info(shard_dir)
+    check_shard_files(shard_dir, info)
     world = world_size(params.ray)
     check_local_capacity(params.ray)
     check_batch_fits(stage, recipe.global_batch_size, info["counts"]["train"], shard_dir)
