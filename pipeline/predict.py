@@ -24,15 +24,13 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from pipeline.data.transforms import eval_transform
+from pipeline.model.io import ModelFileError, load_model, read_model_file
+from pipeline.utils import error_summary
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"}
 MODEL_FILES = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "safetensors": "model.safetensors"}
 CONFIG_KEYS = ("classes", "image_size", "normalize")  # what predict reads from the export's config.json
 REEXPORT = "re-run the export stage (`dvc repro export`) or point --model at an export directory"
-
-
-class ModelError(Exception):
-    """The export cannot be used; the message names the file, what is wrong and what to do."""
 
 
 def image_files(path: Path) -> list[Path]:
@@ -42,22 +40,11 @@ def image_files(path: Path) -> list[Path]:
     return [path]
 
 
-def _reason(exc: BaseException) -> str:
-    """The exception's class and the first line of its message (loaders' messages run long)."""
-    lines = str(exc).strip().splitlines()
-    first = lines[0][:200] if lines else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
 def load_file(path: Path, loader: Callable[[Path], Any]) -> Any:
-    """``loader(path)``; a missing, unreadable or corrupt file becomes a :class:`ModelError` naming it."""
+    """``loader(path)``; a missing, unreadable or corrupt file becomes a :class:`ModelFileError` naming it."""
     if not path.is_file():
-        raise ModelError(f"{path}: not found; {REEXPORT}")
-    try:
-        return loader(path)
-    except Exception as exc:  # every loader has its own error types for a damaged file
-        raise ModelError(f"{path}: cannot be loaded, the file is corrupt or incomplete ({_reason(exc)}); "
-                         f"{REEXPORT}") from None
+        raise ModelFileError(f"{path}: not found; {REEXPORT}")
+    return read_model_file(path, loader, REEXPORT)
 
 
 def read_config(path: Path) -> dict:
@@ -65,7 +52,7 @@ def read_config(path: Path) -> dict:
     meta = load_file(path, lambda p: json.loads(p.read_text()))
     missing = [k for k in CONFIG_KEYS if not isinstance(meta, dict) or k not in meta]
     if missing:
-        raise ModelError(f"{path}: has no {', '.join(map(repr, missing))} entry; not an export's "
+        raise ModelFileError(f"{path}: has no {', '.join(map(repr, missing))} entry; not an export's "
                          f"config.json; {REEXPORT}")
     return meta
 
@@ -83,8 +70,7 @@ def _torchscript_runner(path: Path):
 
 
 def _safetensors_runner(path: Path):
-    from pipeline.model import load_model
-    model = load_model(path.parent)[0].eval()
+    model = load_model(path.parent, redo=REEXPORT)[0].eval()
     return lambda x: model(x).detach().numpy()
 
 
@@ -103,7 +89,7 @@ class Predictor:
         try:
             self.transform = eval_transform(meta["image_size"], meta["normalize"])
         except (TypeError, ValueError) as exc:
-            raise ModelError(f"{model_dir / 'config.json'}: bad image_size or normalize ({_reason(exc)}); "
+            raise ModelFileError(f"{model_dir / 'config.json'}: bad image_size or normalize ({error_summary(exc)}); "
                              f"{REEXPORT}") from None
         self.model_file = model_dir / MODEL_FILES[fmt]
         self._run = load_file(self.model_file, RUNNERS[fmt])
@@ -117,8 +103,8 @@ class Predictor:
         try:
             logits = torch.as_tensor(self._run(images))
         except Exception as exc:  # e.g. config.json's image_size is not the size the model was exported at
-            raise ModelError(f"{self.model_file}: fails on {tuple(images.shape)} inputs made as its config.json "
-                             f"says ({_reason(exc)}); {REEXPORT}") from None
+            raise ModelFileError(f"{self.model_file}: fails on {tuple(images.shape)} inputs made as its config.json "
+                             f"says ({error_summary(exc)}); {REEXPORT}") from None
         probs = logits.softmax(-1)
         conf, idx = probs.max(-1)
         return idx.numpy(), conf.numpy()
@@ -164,7 +150,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.predict"
     args = parse_args(argv, prog)
     try:
         predictor = Predictor(args.model, args.format)
-    except ModelError as exc:
+    except ModelFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     files, failed = gather(args.paths)
@@ -183,7 +169,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.predict"
         if tensors:
             try:
                 idx, conf = predictor(torch.stack(tensors))
-            except ModelError as exc:
+            except ModelFileError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
             for path, i, c in zip(good, idx, conf):

@@ -14,6 +14,7 @@ from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
 from pipeline.model import VisionTransformer, build_model, convert_state_dict, load_model, save_model
+from pipeline.model.io import read_model_file
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_history
 from pipeline import storage
@@ -117,15 +118,17 @@ def load_finetune_start(params: Params, num_classes: int, pretrained: Path = MOD
 def _load_external(params: Params, path: Path) -> VisionTransformer:
     """Weights from a file (ours, timm's or torchvision's key layout), built at their own patch size and
     grid; the caller then moves the model to the fine-tune resolution with the configured interpolation."""
+    kinds = "a model directory, .safetensors or .pt file"
     if not path.exists():
-        raise FileNotFoundError(f"finetune.init: {path} does not exist (a model directory, .safetensors or .pt file)")
+        raise FileNotFoundError(f"finetune.init: {path} does not exist ({kinds})")
+    redo = f"finetune.init must name {kinds}"
     if path.is_dir():
-        return load_model(path)[0]
+        return load_model(path, redo=redo)[0]
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
-        state = load_file(str(path))
+        state = read_model_file(path, lambda p: load_file(str(p)), redo)
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = read_model_file(path, lambda p: torch.load(p, map_location="cpu", weights_only=True), redo)
     if params.finetune.init_source != "pipeline":
         state = convert_state_dict(state, params.finetune.init_source, drop_head=True)
     state = {k: v for k, v in state.items() if not k.startswith("head.")}

@@ -16,6 +16,14 @@ PLOTS = Path("plots")
 EXPORTS = Path("exports")
 
 
+def error_summary(exc: BaseException) -> str:
+    """The exception's class and the first line of its message (loaders' messages run long): for an
+    error line that names a damaged file."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0][:200] if lines else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def freeze_heap_at_exit() -> None:
     """For entry points: at exit, after the exit handlers registered later (Ray's shutdown, MLflow's
     flush), freeze the heap, so Python's teardown skips walking every object torch, MLflow and Ray

@@ -352,6 +352,11 @@ def test_all_augments_build_and_run(digits_dir):
 def test_missing_shard_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="dataset.json"):
         read_dataset_info(tmp_path / "nope")
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "dataset.json").write_text('{"classes": ["a", ')
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'cut' / 'dataset.json'}: not valid JSON .*"
+                                         "python -m stages.shard cut"):
+        read_dataset_info(tmp_path / "cut")
 
 
 def test_loader_reads_url_prefix(tmp_path, digits_dir):

@@ -204,6 +204,29 @@ def test_save_load_roundtrip(tmp_path):
         save_model(model, tmp_path / "bad", extra={"model": 1})
 
 
+@pytest.mark.parametrize("name, damage, needle", [
+    ("model.safetensors", lambda b: b[:1000], "cannot be loaded, the file is corrupt or incomplete (SafetensorError"),
+    ("config.json", lambda b: b[:40], "cannot be loaded, the file is corrupt or incomplete (JSONDecodeError"),
+    ("config.json", lambda b: b'{"epoch": 3}', "has no 'model' section"),
+    ("config.json", lambda b: b.replace(b'"depth": 4', b'"depth": 2'), "does not fit"),
+], ids=["cut-weights", "cut-config", "config-without-model", "weights-that-do-not-fit"])
+def test_damaged_model_directory_names_the_file(tmp_path, name, damage, needle):
+    """A stage's model output damaged after it was written: one ModelFileError naming the file and what
+    to do (the stage prints it as one line); a missing file stays FileNotFoundError."""
+    from pipeline.model.io import ModelFileError
+    save_model(nano(), tmp_path / "m")
+    path = tmp_path / "m" / name
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ModelFileError) as err:
+        load_model(tmp_path / "m")
+    message = str(err.value)
+    assert message.startswith(str(tmp_path / "m" / ("model.safetensors" if needle == "does not fit" else name)))
+    assert needle in message and message.endswith("dvc repro re-runs the stage that wrote it)"), message
+    path.unlink()
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path / "m")
+
+
 # ----------------------------------------------------------------------------- conversion parity
 def _perturb(model: torch.nn.Module) -> torch.nn.Module:
     """Random init leaves zero biases / unit LayerNorms / (torchvision) a zero head: shake them."""
@@ -411,3 +434,8 @@ def test_finetune_start_from_timm_weights_file(tmp_path):
                                                         "finetune.init_source": "timm"})
     with pytest.raises(ValueError, match="64 wide but model.preset='nano'|does not fit"):
         load_finetune_start(bad, num_classes=10)
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "timm.pt").read_bytes()[:2000])
+    cut = load_params(root / "params.yaml", overrides={"finetune.init": str(tmp_path / "cut.pt")})
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'cut.pt'}: cannot be loaded, the file is corrupt or "
+                                         "incomplete .*; finetune.init must name a model directory"):
+        load_finetune_start(cut, num_classes=10)

@@ -299,20 +299,30 @@ def test_second_repro_is_a_noop(repro):
     assert "up to date" in proc.stdout.lower()
 
 
-def test_evaluate_names_a_missing_test_shard_before_ray(repro):
-    """The evaluate stage checks the shards against dataset.json first: one line, outputs kept."""
+def test_evaluate_names_damaged_inputs_before_ray(repro):
+    """The evaluate stage reads its inputs before it starts Ray: a shard missing from what dataset.json
+    lists, or a model file cut short, is one line naming it; the outputs are kept."""
     repo, _ = repro
-    shard = repo / "data/shards/finetune/test-000001.tar"
-    metrics = (repo / "metrics/evaluate.json").read_text()
+    shard, weights = repo / "data/shards/finetune/test-000001.tar", repo / "models/finetune/model.safetensors"
+    metrics, whole = (repo / "metrics/evaluate.json").read_text(), weights.read_bytes()
     hidden = shard.rename(shard.with_suffix(".hidden"))
     try:
-        proc = run(["python", "-m", "stages.evaluate"], repo, timeout=120)
+        no_shard = run(["python", "-m", "stages.evaluate"], repo, timeout=120)
     finally:
         hidden.rename(shard)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
+    try:
+        weights.write_bytes(whole[:1000])
+        cut_weights = run(["python", "-m", "stages.evaluate"], repo, timeout=120)
+    finally:
+        weights.write_bytes(whole)
+    assert no_shard.returncode == cut_weights.returncode == 1, no_shard.stderr[-2000:] + cut_weights.stderr[-2000:]
+    assert no_shard.stderr.strip().splitlines() == [
         "error: data/shards/finetune/test-000001.tar: shard missing (listed in data/shards/finetune/dataset.json); "
         "run the shard stage again (dvc repro, or python -m stages.shard finetune)"]
+    [line] = cut_weights.stderr.strip().splitlines()
+    assert line.startswith("error: ModelFileError: models/finetune/model.safetensors: cannot be loaded, the file "
+                           "is corrupt or incomplete (SafetensorError: ") and line.endswith(
+        "; write it again (a stage's output: dvc repro re-runs the stage that wrote it)"), line
     assert (repo / "metrics/evaluate.json").read_text() == metrics
 
 

@@ -47,14 +47,20 @@ for _scheme in _FSSPEC_SCHEMES:  # let webdataset's gopen read object stores thr
 def read_dataset_info(shard_dir) -> dict:
     """Load dataset.json from a shard directory or URL prefix (s3://..., memory://...)."""
     path = _join(shard_dir, "dataset.json")
-    if is_url(shard_dir):
-        import fsspec
-        with fsspec.open(path, "rt") as f:
-            return json.load(f)
-    if not os.path.isfile(path):
+    if not is_url(shard_dir) and not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: is {shard_dir} the output of shard_dataset()?")
-    with open(path) as f:
-        return json.load(f)
+    import fsspec
+    with fsspec.open(path, "rt") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc}); {_reshard(shard_dir)}") from None
+
+
+def _reshard(shard_dir) -> str:
+    """What to do about a damaged shard directory."""
+    name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
+    return f"run the shard stage again (dvc repro, or python -m stages.shard {name})"
 
 
 def check_shard_files(shard_dir, info: dict) -> None:
@@ -62,9 +68,7 @@ def check_shard_files(shard_dir, info: dict) -> None:
     sizes were recorded: presence only). Training and evaluation call this before they start: a tar cut
     short by an interrupted copy or sync would otherwise fail on a Ray worker (and again on each retry),
     or, cut at a member boundary, quietly lose samples."""
-    sizes, listing = file_sizes(shard_dir), _join(shard_dir, "dataset.json")
-    name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
-    redo = f"run the shard stage again (dvc repro, or python -m stages.shard {name})"
+    sizes, listing, redo = file_sizes(shard_dir), _join(shard_dir, "dataset.json"), _reshard(shard_dir)
     for shard in (s for split in info["shards"].values() for s in split):
         path, size = _join(shard_dir, shard["name"]), sizes.get(shard["name"])
         if size is None:

@@ -10,20 +10,37 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.utils import apply_umask
+from pipeline.utils import apply_umask, error_summary
 
 from .config import ViTConfig
 from .vit import VisionTransformer
 
-__all__ = ["save_model", "load_model", "WEIGHTS_NAME", "CONFIG_NAME"]
+__all__ = ["save_model", "load_model", "read_model_file", "ModelFileError", "WEIGHTS_NAME", "CONFIG_NAME"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+REDO = "write it again (a stage's output: dvc repro re-runs the stage that wrote it)"
+
+
+class ModelFileError(ValueError):
+    """A model file that exists but cannot be used; the message names it, what is wrong and what to do."""
+
+
+def read_model_file(path: Path, loader: Callable[[Path], Any], redo: str = REDO) -> Any:
+    """``loader(path)``; a corrupt or incomplete file becomes a :class:`ModelFileError` naming it (a
+    missing one stays ``FileNotFoundError``)."""
+    try:
+        return loader(path)
+    except (FileNotFoundError, ModelFileError):
+        raise
+    except Exception as exc:  # json, safetensors and torch each raise their own types for a damaged file
+        raise ModelFileError(f"{path}: cannot be loaded, the file is corrupt or incomplete "
+                             f"({error_summary(exc)}); {redo}") from None
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -63,17 +80,22 @@ def save_model(model: VisionTransformer, directory, extra: dict[str, Any] | None
     return directory
 
 
-def load_model(directory, *, map_location: str | torch.device = "cpu") -> tuple[VisionTransformer, dict[str, Any]]:
+def load_model(directory, *, map_location: str | torch.device = "cpu",
+               redo: str = REDO) -> tuple[VisionTransformer, dict[str, Any]]:
     """Rebuild the model from ``config.json`` and load weights strictly.
 
     Returns ``(model, meta)`` where ``meta`` is the full ``config.json`` dict
-    (``meta["model"]`` plus whatever ``extra`` was saved).
+    (``meta["model"]`` plus whatever ``extra`` was saved). A damaged file is a :class:`ModelFileError`
+    that names it and ends with ``redo``, what the user should do.
     """
-    directory = Path(directory)
-    with open(directory / CONFIG_NAME) as f:
-        meta = json.load(f)
-    if "model" not in meta:
-        raise ValueError(f"{directory / CONFIG_NAME} has no 'model' section")
+    config, weights = Path(directory) / CONFIG_NAME, Path(directory) / WEIGHTS_NAME
+    meta = read_model_file(config, lambda p: json.loads(p.read_text()), redo)
+    if not isinstance(meta, dict) or "model" not in meta:
+        raise ModelFileError(f"{config} has no 'model' section; {redo}")
     model = VisionTransformer(ViTConfig.from_dict(meta["model"]))
-    model.load_state_dict(load_file(str(directory / WEIGHTS_NAME), device=str(map_location)), strict=True)
+    state = read_model_file(weights, lambda p: load_file(str(p), device=str(map_location)), redo)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ModelFileError(f"{weights}: does not fit {config} ({error_summary(exc)}); {redo}") from None
     return model.to(map_location), meta
