@@ -14,7 +14,7 @@ import os
 import subprocess
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,8 +37,15 @@ def resolve_tracking_uri(uri: str) -> str:
     return uri
 
 
+class TrackingStoreDamaged(ValueError):
+    """The sqlite tracking store exists but is not a readable database."""
+
+
 def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
-    """Fail fast (before Ray starts) when an HTTP tracking server is not reachable."""
+    """Fail fast (before Ray starts) when an HTTP tracking server is not reachable, or a sqlite store
+    is damaged (SQLAlchemy's own error is a page of traceback that does not name the file)."""
+    if uri.startswith("sqlite:///"):
+        return _check_sqlite(Path(uri[len("sqlite:///"):]))
     if not uri.startswith(("http://", "https://")):
         return
     try:
@@ -48,6 +55,24 @@ def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
             f"MLFLOW_TRACKING_URI={uri} is not reachable ({exc}). Start a local server with "
             f"`bash infra/mlflow-server.sh` (or `mlflow server --host 127.0.0.1 --port 5000`), "
             f"or unset MLFLOW_TRACKING_URI to log to sqlite:///mlflow.db") from None
+
+
+def _check_sqlite(path: Path) -> None:
+    import sqlite3
+
+    if not path.is_file():
+        return  # MLflow creates it
+    try:
+        with closing(sqlite3.connect(f"file:{urllib.request.pathname2url(str(path))}?mode=ro", uri=True)) as db:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check")]
+    except sqlite3.OperationalError:
+        return  # locked by a writer, not readable by this user, ...: not damage; MLflow reports it
+    except sqlite3.DatabaseError as exc:  # "file is not a database", "database disk image is malformed"
+        problems = [str(exc)]
+    if problems != ["ok"]:
+        raise TrackingStoreDamaged(
+            f"{path}: the MLflow store is damaged ({problems[0]}); move it aside and run again (a new store "
+            f"starts empty; `sqlite3 {path.name} .recover` can save its runs), or set MLFLOW_TRACKING_URI")
 
 
 def git_info(cwd: str | os.PathLike = ".") -> dict[str, str]:

@@ -301,7 +301,7 @@ def test_second_repro_is_a_noop(repro):
 
 def test_evaluate_names_damaged_inputs_before_ray(repro):
     """The evaluate stage reads its inputs before it starts Ray: a shard missing from what dataset.json
-    lists, or a model file cut short, is one line naming it; the outputs are kept."""
+    lists, a model file cut short or a damaged MLflow store is one line naming it; the outputs are kept."""
     repo, _ = repro
     shard, weights = repo / "data/shards/finetune/test-000001.tar", repo / "models/finetune/model.safetensors"
     metrics, whole = (repo / "metrics/evaluate.json").read_text(), weights.read_bytes()
@@ -315,6 +315,17 @@ def test_evaluate_names_damaged_inputs_before_ray(repro):
         cut_weights = run(["python", "-m", "stages.evaluate"], repo, timeout=120)
     finally:
         weights.write_bytes(whole)
+    store = repo / "mlflow.db"
+    runs = store.read_bytes()
+    try:
+        store.write_bytes(runs[:len(runs) // 2])
+        cut_store = run(["python", "-m", "stages.evaluate"], repo, timeout=120)
+    finally:
+        store.write_bytes(runs)
+    assert cut_store.returncode == 1 and cut_store.stderr.strip().splitlines() == [
+        f"error: TrackingStoreDamaged: {store}: the MLflow store is damaged (database disk image is malformed); "
+        "move it aside and run again (a new store starts empty; `sqlite3 mlflow.db .recover` can save its runs), "
+        "or set MLFLOW_TRACKING_URI"], cut_store.stderr[-2000:]
     assert no_shard.returncode == cut_weights.returncode == 1, no_shard.stderr[-2000:] + cut_weights.stderr[-2000:]
     assert no_shard.stderr.strip().splitlines() == [
         "error: data/shards/finetune/test-000001.tar: shard missing (listed in data/shards/finetune/dataset.json); "

@@ -116,6 +116,33 @@ def test_unreachable_tracking_server_fails_fast(repo, monkeypatch):
     assert "mlflow server" in proc.stderr and "Ray Train" not in proc.stdout
 
 
+def test_damaged_sqlite_store_is_named(tmp_path):
+    """A sqlite tracking store that is not a readable database fails the check with its path; a healthy
+    one, a missing one (MLflow creates it) and one locked by a writer pass."""
+    import sqlite3
+
+    from pipeline.tracking import TrackingStoreDamaged, check_tracking_uri
+
+    store = tmp_path / "my runs.db"
+    check_tracking_uri(f"sqlite:///{store}")
+    with sqlite3.connect(store) as db:
+        db.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, name TEXT)")
+        db.executemany("INSERT INTO runs (name) VALUES (?)", [("x" * 500,)] * 200)
+    check_tracking_uri(f"sqlite:///{store}")
+    writer = sqlite3.connect(store, isolation_level=None)
+    writer.execute("BEGIN EXCLUSIVE")
+    try:
+        check_tracking_uri(f"sqlite:///{store}")
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    whole = store.read_bytes()
+    for damaged in (whole[:len(whole) // 2], b"not a database" * 100):
+        store.write_bytes(damaged)
+        with pytest.raises(TrackingStoreDamaged, match=f"^{store}: the MLflow store is damaged"):
+            check_tracking_uri(f"sqlite:///{store}")
+
+
 def test_accumulation_arithmetic():
     assert accumulation(32, None) == (32, 1)
     assert accumulation(32, 32) == (32, 1)
