@@ -53,7 +53,7 @@ def read_config(path: Path) -> dict:
     missing = [k for k in CONFIG_KEYS if not isinstance(meta, dict) or k not in meta]
     if missing:
         raise ModelFileError(f"{path}: has no {', '.join(map(repr, missing))} entry; not an export's "
-                         f"config.json; {REEXPORT}")
+                             f"config.json; {REEXPORT}")
     return meta
 
 
@@ -90,7 +90,7 @@ class Predictor:
             self.transform = eval_transform(meta["image_size"], meta["normalize"])
         except (TypeError, ValueError) as exc:
             raise ModelFileError(f"{model_dir / 'config.json'}: bad image_size or normalize ({error_summary(exc)}); "
-                             f"{REEXPORT}") from None
+                                 f"{REEXPORT}") from None
         self.model_file = model_dir / MODEL_FILES[fmt]
         self._run = load_file(self.model_file, RUNNERS[fmt])
 
@@ -104,7 +104,7 @@ class Predictor:
             logits = torch.as_tensor(self._run(images))
         except Exception as exc:  # e.g. config.json's image_size is not the size the model was exported at
             raise ModelFileError(f"{self.model_file}: fails on {tuple(images.shape)} inputs made as its config.json "
-                             f"says ({error_summary(exc)}); {REEXPORT}") from None
+                                 f"says ({error_summary(exc)}); {REEXPORT}") from None
         probs = logits.softmax(-1)
         conf, idx = probs.max(-1)
         return idx.numpy(), conf.numpy()
