@@ -88,7 +88,10 @@ def file_sizes(folder) -> dict[str, int]:
     """``{name: bytes}`` of the files directly in a local folder or under an object-store prefix."""
     fs, root = filesystem(str(folder))
     fs.invalidate_cache()
-    entries = fs.ls(root, detail=True) if fs.isdir(root) else []
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return {}
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["size"] for e in entries if e["type"] == "file"}
 
 

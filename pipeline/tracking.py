@@ -27,13 +27,15 @@ class TrackingUnreachable(ConfigError):
     """The configured MLflow server does not answer."""
 
 
+SQLITE = "sqlite:///"  # + a path: MLflow's sqlite store
+
+
 def resolve_tracking_uri(uri: str) -> str:
     """Make a relative ``sqlite:///file.db`` absolute so Ray workers (other cwd) hit the same file."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+    if uri.startswith(SQLITE) and not uri.startswith(SQLITE + "/"):
         # A queued `dvc exp run` runs in a temp copy; DVC_ROOT is the repository it belongs to.
         root = Path(os.environ.get("DVC_ROOT") or ".")
-        return prefix + str((root / uri[len(prefix):]).resolve())
+        return SQLITE + str((root / uri[len(SQLITE):]).resolve())
     return uri
 
 
@@ -44,8 +46,8 @@ class TrackingStoreDamaged(ValueError):
 def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
     """Fail fast (before Ray starts) when an HTTP tracking server is not reachable, or a sqlite store
     is damaged (SQLAlchemy's own error is a page of traceback that does not name the file)."""
-    if uri.startswith("sqlite:///"):
-        return _check_sqlite(Path(uri[len("sqlite:///"):]))
+    if uri.startswith(SQLITE):
+        return _check_sqlite(Path(uri[len(SQLITE):]))
     if not uri.startswith(("http://", "https://")):
         return
     try:

@@ -115,20 +115,31 @@ GPU_BOX_REQUIREMENTS = ("torch", "torchvision", "webdataset", "pyyaml", "pillow"
                         "scikit-learn", "matplotlib", "setuptools")
 
 
-def _dist(name: str) -> str:
+def normalized_name(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503): ``Scikit_Learn`` -> ``scikit-learn``."""
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pinned_requirements(*files: str) -> dict[str, str]:
+    """``{name: version}`` pinned (``name==version``) in the given requirements files of the repository."""
+    pins = {}
+    for f in files:
+        for line in (ROOT / f).read_text().splitlines():
+            m = re.match(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^\s#]+)", line)
+            if m:
+                pins[m.group(1).lower()] = m.group(3)
+    return pins
 
 
 def gpu_box_blocked_imports() -> list[str]:
     """Import names of every requirement in requirements.txt that is not on :data:`GPU_BOX_REQUIREMENTS`
     (Ray, MLflow, DVC, ONNX, S3, ...): what a plain GPU box may lack."""
-    lines = (line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines())
-    required = {_dist(re.split(r"[\[=<>~ ]", line)[0]) for line in lines if line}
-    box = {_dist(name) for name in GPU_BOX_REQUIREMENTS}
+    required = {normalized_name(name) for name in pinned_requirements("requirements.txt")}
+    box = {normalized_name(name) for name in GPU_BOX_REQUIREMENTS}
     assert box <= required, f"not in requirements.txt: {sorted(box - required)}"
     dists = importlib.metadata.packages_distributions()
     return sorted(name for name, of in dists.items()
-                  if {_dist(d) for d in of} & (required - box) and not {_dist(d) for d in of} & box)
+                  if {normalized_name(d) for d in of} & (required - box) and not {normalized_name(d) for d in of} & box)
 
 
 def run_as_on_gpu_box(script: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:

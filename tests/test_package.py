@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import normalized_name, pinned_requirements
 from tests.repo_copy import ROOT, copy_repo_files
 
 HEAVY = ("ray", "mlflow", "dvc", "torch")
@@ -91,13 +92,7 @@ BUILD_ONLY = {"setuptools"}
 
 def _lock() -> dict[str, str]:
     """``{name: version}`` pinned in requirements*.txt (the lock scripts/env.sh installs)."""
-    pins = {}
-    for f in ("requirements.txt", "requirements-test.txt"):
-        for line in (ROOT / f).read_text().splitlines():
-            m = re.match(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^\s#]+)", line)
-            if m:
-                pins[m.group(1).lower()] = m.group(3)
-    return pins
+    return pinned_requirements("requirements.txt", "requirements-test.txt")
 
 
 def test_declared_dependencies_match_the_lock():
@@ -112,16 +107,12 @@ def test_declared_dependencies_match_the_lock():
     assert project["requires-python"] == ">=3.11"
 
 
-def _normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name.lower())
-
-
 def _constraints() -> dict[str, str]:
     pinned = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
         if line and not line.startswith("#"):
             name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line).groups()
-            pinned[_normalized(name)] = version
+            pinned[normalized_name(name)] = version
     return pinned
 
 
@@ -129,7 +120,7 @@ def test_constraints_hold_the_direct_pins():
     """constraints.txt (every package of the tested environment, scripts/env.sh's `-c`) pins each direct
     dependency at the lock's version, so `-r requirements*.txt -c constraints.txt` can be resolved."""
     pinned = _constraints()
-    lock = {_normalized(k): v for k, v in _lock().items()}
+    lock = {normalized_name(k): v for k, v in _lock().items()}
     assert {k: pinned.get(k) for k in lock} == lock
     assert "vit-pipeline" not in pinned and len(pinned) > len(lock)  # the project itself is installed editable
 
@@ -140,7 +131,7 @@ def test_this_environment_is_the_lock():
     site-packages, as pip sees it: once setuptools is imported (torch.compile does), its vendored
     copies of importlib-metadata, zipp, … are on sys.path too, and they are not installed packages."""
     site = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    installed = {_normalized(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=list(site))}
+    installed = {normalized_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=list(site))}
     pinned = _constraints()
     assert "pip" in pinned and "pip" in installed
     assert {k: v for k, v in installed.items() if k in pinned} == {k: pinned[k] for k in installed if k in pinned}
