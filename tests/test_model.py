@@ -209,7 +209,12 @@ def test_save_load_roundtrip(tmp_path):
     ("config.json", lambda b: b[:40], "cannot be loaded, the file is corrupt or incomplete (JSONDecodeError"),
     ("config.json", lambda b: b'{"epoch": 3}', "has no 'model' section"),
     ("config.json", lambda b: b.replace(b'"depth": 4', b'"depth": 2'), "does not fit"),
-], ids=["cut-weights", "cut-config", "config-without-model", "weights-that-do-not-fit"])
+    ("config.json", lambda b: b.replace(b'"depth": 4', b'"depth": 4, "rope": true'),
+     "does not describe a ViT this version can build (ValueError: unknown ViTConfig field(s) ['rope']"),
+    ("config.json", lambda b: b.replace(b'"num_heads": 4', b'"num_heads": 5'),
+     "does not describe a ViT this version can build (ValueError: num_heads: 5 does not divide embed_dim=64"),
+], ids=["cut-weights", "cut-config", "config-without-model", "weights-that-do-not-fit", "unknown-field",
+        "invalid-field"])
 def test_damaged_model_directory_names_the_file(tmp_path, name, damage, needle):
     """A stage's model output damaged after it was written: one ModelFileError naming the file and what
     to do (the stage prints it as one line); a missing file stays FileNotFoundError."""

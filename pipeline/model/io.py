@@ -92,7 +92,11 @@ def load_model(directory, *, map_location: str | torch.device = "cpu",
     meta = read_model_file(config, lambda p: json.loads(p.read_text()), redo)
     if not isinstance(meta, dict) or "model" not in meta:
         raise ModelFileError(f"{config} has no 'model' section; {redo}")
-    model = VisionTransformer(ViTConfig.from_dict(meta["model"]))
+    try:
+        model = VisionTransformer(ViTConfig.from_dict(meta["model"]))
+    except (TypeError, ValueError) as exc:  # missing, unknown or invalid fields (hand-edited, or another version's)
+        raise ModelFileError(f"{config}: its 'model' section does not describe a ViT this version can build "
+                             f"({error_summary(exc)}); {redo}") from None
     state = read_model_file(weights, lambda p: load_file(str(p), device=str(map_location)), redo)
     try:
         model.load_state_dict(state, strict=True)
