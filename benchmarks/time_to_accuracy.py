@@ -30,7 +30,6 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -77,8 +76,6 @@ def fail(message: object) -> int:
 
 def load_recipe(args: argparse.Namespace) -> Params:
     """The merged params, forced to run in this process with checkpoints under --workdir."""
-    if args.recipe and not Path(args.recipe).is_file():
-        raise ConfigError(f"{args.recipe}: recipe file not found")
     overrides = recipe_overrides(args.recipe, args.set)
     overrides.update({"ray.backend": "local", "ray.storage_path": str(args.workdir.resolve())})
     return load_params(args.params, overrides=overrides)
@@ -175,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         shards = stage_shards(args, params, stages)
         for shard_dir in set(shards.values()):
             read_dataset_info(shard_dir)  # a missing dataset.json fails here, before any training
-    except (ConfigError, OSError, yaml.YAMLError) as exc:
+    except (ConfigError, OSError) as exc:
         return fail(exc)
     deadline = None if args.max_minutes is None else STARTED + 60 * args.max_minutes
     print(f"[tta] {device_name(device)}; checkpoints in {args.workdir}", flush=True)

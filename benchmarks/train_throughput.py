@@ -116,9 +116,9 @@ def main() -> None:
                     help="with compile on: also time the model alone without torch.compile, side by side")
     args = ap.parse_args()
 
-    overrides = recipe_overrides(args.recipe, args.set)
-    overrides["ray.backend"] = "local"  # one rank: the whole global batch on this device
     try:
+        overrides = recipe_overrides(args.recipe, args.set)
+        overrides["ray.backend"] = "local"  # one rank: the whole global batch on this device
         params = load_params(args.params, overrides=overrides)
     except ConfigError as exc:
         sys.exit(f"error: {exc}")

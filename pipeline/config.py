@@ -376,6 +376,13 @@ def _check_export_and_ray(p: Params) -> None:
             raise ConfigError(f"ray.{k}: {getattr(p.ray, k)!r} must be >= 0")
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: what is wrong and where (its message spans several)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(exc, 'problem', None) or str(exc).splitlines()[0]}{where}"
+
+
 def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None = None) -> Params:
     """Read, type-check and validate ``params.yaml``; raise :class:`ConfigError` on any problem."""
     path = Path(path)
@@ -384,7 +391,7 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None 
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found (run from the repository root)") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(exc)})") from None
     if raw is None:  # an empty file would otherwise run every stage on defaults without a word
         sections = ", ".join(f.name for f in dataclasses.fields(Params))
         raise ConfigError(f"{path}: is empty (or only comments); expected the sections {sections} "

@@ -1,6 +1,6 @@
 """Turn a recipe file (a partial params.yaml) into `dvc exp run -S key=value` arguments.
 
-    python -m pipeline.recipes configs/cifar10.yaml --set data.pretrain.root=/data/cifar10 | xargs dvc exp run
+    python -m pipeline.recipes configs/cifar10.yaml --set data.pretrain.root=/data/cifar10 | xargs -r dvc exp run
 
 The merged params are validated first, so a typo in a recipe fails here, not mid-run.
 """
@@ -13,18 +13,16 @@ import sys
 
 import yaml
 
-from pipeline.config import ConfigError, flatten, load_params
+from pipeline.config import ConfigError, flatten, load_params, yaml_problem
 
 
 def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object]:
     """Flattened ``{dotted.key: value}`` of the recipe (none: ``path`` None), then ``--set key=value`` on top.
 
-    A dict-valued leaf such as ``augment`` is replaced whole, as DVC's ``-S`` does.
+    A dict-valued leaf such as ``augment`` is replaced whole, as DVC's ``-S`` does. A recipe that
+    cannot be read, or a ``--set`` without ``=``, is a :class:`ConfigError` naming it.
     """
-    raw = {}
-    if path is not None:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+    raw = _read_recipe(path) if path is not None else {}
     flat: dict[str, object] = {}
     for section, body in raw.items():
         for key, value in flatten(body, section).items():
@@ -36,9 +34,29 @@ def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object
             else:
                 flat[key] = value
     for item in sets:
-        key, _, value = item.partition("=")
-        flat[key] = yaml.safe_load(value)
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set model.depth=6")
+        try:
+            flat[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item}: the value is not valid YAML ({yaml_problem(exc)})") from None
     return flat
+
+
+def _read_recipe(path: str) -> dict:
+    """The recipe's sections; a missing file, bad YAML or a top level that is not a mapping is a ConfigError."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(exc)})") from None
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise ConfigError(f"{path}: expected a partial params.yaml, a mapping of sections (data, model, "
+                          f"pretrain, ...) each a mapping of keys")
+    return raw
 
 
 def override_value(value: object) -> str:
@@ -58,7 +76,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.recipes"
     ap.add_argument("--params", default="params.yaml", help="the params the recipe is merged over and checked "
                     "against (default: params.yaml); nothing is written, the overrides go to stdout")
     args = ap.parse_args(argv)
-    overrides = recipe_overrides(args.recipe, args.set)
+    try:
+        overrides = recipe_overrides(args.recipe, args.set)
+    except ConfigError as exc:  # names the recipe or the --set
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         load_params(args.params, overrides=overrides)
     except ConfigError as exc:

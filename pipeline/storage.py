@@ -52,8 +52,14 @@ def join(base, *names: str) -> str:
 def shard_dir(name: str, default_root: str | os.PathLike = SHARDS):
     """Shard directory of dataset ``name``: ``$VIT_SHARDS_URL/<name>`` when set, else ``data/shards/<name>``."""
     root = os.environ.get(SHARDS_URL_ENV)
+    if root and is_url(root):
+        try:
+            filesystem(root)  # a scheme that cannot be opened fails here, naming the variable
+        except ValueError as exc:
+            raise ValueError(f"${SHARDS_URL_ENV}: {exc}") from None
+        return join(root, name)
     if root:
-        return join(root, name) if is_url(root) else Path(root) / name
+        return Path(root) / name
     return Path(default_root) / name
 
 
@@ -80,8 +86,11 @@ def filesystem(url: str):
     """``(fsspec filesystem, path without scheme)`` for ``url`` (``s3://``, ``memory://``, local)."""
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(str(url))
-    return fs, path
+    try:
+        return fsspec.core.url_to_fs(str(url))
+    except (ImportError, ValueError) as exc:  # a scheme fsspec does not know, or whose package is missing
+        raise ValueError(f"{url}: cannot open this URL ({exc}); local paths and s3:// URLs work with the "
+                         f"pipeline's packages") from None
 
 
 def file_sizes(folder) -> dict[str, int]:
@@ -228,7 +237,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m pipeline.stora
                 got = download_dir(url, local, missing_ok=args.missing_ok)
                 print(f"[storage] {url} -> {local}" if got else f"[storage] nothing under {url}", flush=True)
         else:
-            print("\n".join(list_objects(args.url)))
+            names = list_objects(args.url)
+            if not names:
+                raise FileNotFoundError(f"nothing under {args.url}")
+            print("\n".join(names))
     except (FileNotFoundError, PermissionError, ValueError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -165,6 +165,37 @@ def test_recipe_overrides_are_what_dvc_exp_run_applies(tmp_path):
     assert p.pretrain.augment == expected["pretrain.augment"] and p.model.num_heads == 12
 
 
+@pytest.mark.parametrize("recipe, sets, needle", [
+    ("nope.yaml", [], "nope.yaml: cannot read the recipe (No such file or directory)"),
+    (".", [], ": cannot read the recipe (Is a directory)"),
+    ("list.yaml", [], "list.yaml: expected a partial params.yaml, a mapping of sections"),
+    ("bad.yaml", [], "bad.yaml: not valid YAML (expected the node content, but found '<stream end>' at line 3"),
+    (None, ["model.depth"], "--set model.depth: expected KEY=VALUE"),
+    (None, ["model.depth=[6"], "--set model.depth=[6: the value is not valid YAML (expected ',' or ']'"),
+], ids=["missing", "directory", "not-a-mapping", "bad-yaml", "set-without-value", "set-bad-yaml"])
+def test_recipe_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, recipe, sets, needle):
+    """`vit-pipeline recipe` with a recipe it cannot read or a malformed --set: one line naming it, exit 2
+    (before: a traceback, or a --set without '=' quietly became an override of a whole section)."""
+    from pipeline.recipes import main
+
+    (tmp_path / "list.yaml").write_text("model: [1, 2]\n")
+    (tmp_path / "bad.yaml").write_text("model:\n  depth: [\n")
+    monkeypatch.chdir(tmp_path)
+    argv = [recipe or str(ROOT / "configs/cifar10.yaml"), "--params", str(ROOT / "params.yaml")]
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_params_with_bad_yaml_is_one_line(tmp_path):
+    (tmp_path / "params.yaml").write_text("model:\n  preset: nano\n depth: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_params(tmp_path / "params.yaml")
+    message = str(err.value)  # PyYAML's own message spans three lines
+    assert message.startswith(f"{tmp_path / 'params.yaml'}: not valid YAML (expected <block end>")
+    assert message.endswith("at line 3, column 2)") and "\n" not in message
+
+
 def test_one_gpu_recipe_is_valid_and_runs_in_process():
     from pipeline.recipes import recipe_overrides
     p = load_params(ROOT / "params.yaml", overrides=recipe_overrides(str(ROOT / "configs/cifar10-1gpu.yaml")))

@@ -175,18 +175,26 @@ def _queue_settled(repo: Path, names: list[str], timeout: float = 900) -> str:
         time.sleep(5)
 
 
-def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro):
+def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, tmp_path):
     """`dvc exp run --queue` over a 2-point grid + `dvc queue start`: each experiment is its own MLflow
-    pipeline run, tagged with its name; the two differ exactly in the swept param; pretrain is reused."""
+    pipeline run, tagged with its name; the two differ exactly in the swept param; pretrain is reused.
+    One point is queued with `-S`, the other from a recipe file through the README's pipe, which with
+    a bad recipe queues nothing."""
     from mlflow.tracking import MlflowClient
 
     repo, _ = repro
     names = {"interp-bilinear": "bilinear", "interp-nearest": "nearest"}
-    for name, mode in names.items():
-        # target evaluate: export (not needed to compare accuracy) stays out, a minute less per experiment
-        proc = run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"finetune.interpolation.mode={mode}",
-                    "evaluate"], repo, timeout=120)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    (tmp_path / "nearest.yaml").write_text("finetune:\n  interpolation: {mode: nearest}\n")
+    # target evaluate: export (not needed to compare accuracy) stays out, a minute less per experiment
+    pipe = "python -m pipeline recipe {} | xargs -r dvc exp run --queue -n {} evaluate"
+    for command in (["dvc", "exp", "run", "--queue", "-n", "interp-bilinear", "-S",
+                     "finetune.interpolation.mode=bilinear", "evaluate"],
+                    ["bash", "-c", pipe.format(tmp_path / "nearest.yaml", "interp-nearest")],
+                    ["bash", "-c", pipe.format(tmp_path / "missing.yaml", "from-bad-recipe")]):
+        proc = run(command, repo, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr  # a pipe's status is xargs'
+    assert proc.stderr == f"error: {tmp_path / 'missing.yaml'}: cannot read the recipe (No such file or directory)\n"
+    assert "from-bad-recipe" not in run(["dvc", "queue", "status"], repo, timeout=120).stdout
     try:
         with open(repo / "queue-start.log", "w") as log:  # its worker keeps inherited pipes open: a file
             start = subprocess.run(["dvc", "queue", "start"], cwd=repo, env=clean_env(), stdout=log,

@@ -36,6 +36,28 @@ def _tree(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["ls", "{tmp}/none"], "error: FileNotFoundError: nothing under {tmp}/none"),
+    (["ls", "gs://bucket/x"], "error: ValueError: gs://bucket/x: cannot open this URL (Please install gcsfs"),
+    (["pull", "foo://bucket/x", "{tmp}/y"], "error: ValueError: foo://bucket/x: cannot open this URL (Protocol not"),
+], ids=["ls-nothing", "scheme-without-package", "unknown-scheme"])
+def test_cli_bad_location_is_one_line(tmp_path, capsys, argv, needle):
+    """`vit-pipeline storage` on nothing, or on a URL scheme this install cannot open: exit 1 in one line
+    (before: `ls` printed nothing and exited 0, a gs:// URL ended in an ImportError traceback)."""
+    assert storage.main([a.format(tmp=tmp_path) for a in argv]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(needle.format(tmp=tmp_path)) and err.count("\n") == 1, err
+    assert not (tmp_path / "y").exists()
+
+
+def test_shards_url_with_unusable_scheme_names_the_variable(monkeypatch):
+    monkeypatch.setenv(storage.SHARDS_URL_ENV, "gs://bucket/ws")
+    with pytest.raises(ValueError, match=r"^\$VIT_SHARDS_URL: gs://bucket/ws: cannot open this URL"):
+        storage.shard_dir("pretrain")
+    monkeypatch.setenv(storage.SHARDS_URL_ENV, "s3://bucket/ws")
+    assert storage.shard_dir("pretrain") == "s3://bucket/ws/pretrain"
+
+
 def test_push_pull_mirror_and_ray_filesystem(s3_server, local_shards, tmp_path, monkeypatch):
     url = f"s3://{s3_server.bucket}/t1/shards/pretrain"
     stale = "t1/shards/pretrain/train-999999.tar"
