@@ -21,6 +21,7 @@ from typing import Any, Iterator
 from pipeline import pipeline_run
 from pipeline.config import ConfigError, Params, flatten
 from pipeline.storage import file_hash
+from pipeline.utils import error_summary
 
 
 class TrackingUnreachable(ConfigError):
@@ -44,12 +45,13 @@ class TrackingStoreDamaged(ValueError):
 
 
 def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
-    """Fail fast (before Ray starts) when an HTTP tracking server is not reachable, or a sqlite store
-    is damaged (SQLAlchemy's own error is a page of traceback that does not name the file)."""
+    """Fail fast (before Ray starts) when an HTTP tracking server is not reachable, a sqlite store
+    is damaged (SQLAlchemy's own error is a page of traceback that does not name the file), or MLflow
+    refuses the URI (a scheme it does not know; its file store, which MLflow 3 turns down by default)."""
     if uri.startswith(SQLITE):
         return _check_sqlite(Path(uri[len(SQLITE):]))
     if not uri.startswith(("http://", "https://")):
-        return
+        return _check_other_store(uri)
     try:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).read()
     except (urllib.error.URLError, OSError) as exc:
@@ -57,6 +59,18 @@ def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
             f"MLFLOW_TRACKING_URI={uri} is not reachable ({exc}). Start a local server with "
             f"`bash infra/mlflow-server.sh` (or `mlflow server --host 127.0.0.1 --port 5000`), "
             f"or unset MLFLOW_TRACKING_URI to log to sqlite:///mlflow.db") from None
+
+
+def _check_other_store(uri: str) -> None:
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient(uri)  # opens the tracking and model-registry stores the URI names
+    except (MlflowException, ImportError) as exc:  # ImportError: a database driver not installed
+        why = exc.message.strip() if isinstance(exc, MlflowException) else error_summary(exc)
+        raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: MLflow cannot use it ({why}); use "
+                          f"{SQLITE}mlflow.db (the default) or an http(s):// tracking server") from None
 
 
 def _check_sqlite(path: Path) -> None:

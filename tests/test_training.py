@@ -101,19 +101,42 @@ def _plant_checkpoints(repo) -> Path:
     return run_dir
 
 
-def test_unreachable_tracking_server_fails_fast(repo, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+@pytest.mark.parametrize("uri, needle", [
+    ("http://127.0.0.1:9", "MLFLOW_TRACKING_URI=http://127.0.0.1:9 is not reachable"),
+    ("{tmp}/mlruns", "MLFLOW_TRACKING_URI={tmp}/mlruns: MLflow cannot use it (The filesystem tracking backend"),
+], ids=["server-down", "file-store"])
+def test_unusable_tracking_uri_fails_fast(repo, tmp_path, uri, needle):
+    """Before Ray starts: one line naming the URI and what to use instead, exit 2 (for MLflow 3's refused
+    file store this used to be a 38-line MlflowException traceback)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "MLFLOW_TRACKING_URI": uri.format(tmp=tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=repo, env=env, capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "MLFLOW_TRACKING_URI=http://127.0.0.1:9 is not reachable" in proc.stderr
-    assert "mlflow server" in proc.stderr and "Ray Train" not in proc.stdout
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: {needle.format(tmp=tmp_path)}"), proc.stderr
+    assert ("mlflow server" in proc.stderr or "sqlite:///mlflow.db" in proc.stderr) and "Ray Train" not in proc.stdout
+
+
+def test_tracking_uri_mlflow_refuses_is_named(tmp_path, monkeypatch):
+    """A scheme MLflow does not know, or a database driver that is not installed, fails the check with
+    the URI; MLflow's file store passes once the user opts in (MLFLOW_ALLOW_FILE_STORE)."""
+    from pipeline.config import ConfigError
+    from pipeline.tracking import check_tracking_uri
+
+    with pytest.raises(ConfigError, match=r"^MLFLOW_TRACKING_URI=bogus://x: MLflow cannot use it \(.*unsupported URI"):
+        check_tracking_uri("bogus://x")
+    with pytest.raises(ConfigError, match=r"^MLFLOW_TRACKING_URI=mysql://u@127.0.0.1:9/db: MLflow cannot use it "
+                                          r"\(ModuleNotFoundError: No module named "):
+        check_tracking_uri("mysql://u@127.0.0.1:9/db")
+    with pytest.raises(ConfigError, match="filesystem tracking backend"):
+        check_tracking_uri(str(tmp_path / "mlruns"))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_tracking_uri(str(tmp_path / "mlruns"))
 
 
 def test_damaged_sqlite_store_is_named(tmp_path):
