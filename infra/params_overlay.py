@@ -26,18 +26,18 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     base, overlay, out = (Path(a) for a in argv)
-    merged = merge(yaml.safe_load(base.read_text()) or {}, yaml.safe_load(overlay.read_text()) or {})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# {base.name} + {overlay.name} (written by infra/params_overlay.py)\n"
-                   + yaml.safe_dump(merged, sort_keys=False))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from pipeline.config import ConfigError, load_params
+    from pipeline.config import ConfigError, params_from_dict, read_partial_params
 
-    try:
-        load_params(out)
+    try:  # checked before anything is written: a bad overlay leaves no OUT behind
+        merged = merge(read_partial_params(base), read_partial_params(overlay))
+        params_from_dict(merged, f"{overlay} over {base}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# {base.name} + {overlay.name} (written by infra/params_overlay.py)\n"
+                   + yaml.safe_dump(merged, sort_keys=False))
     return 0
 
 

@@ -404,10 +404,31 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None 
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    return params_from_dict(raw, str(path))
+
+
+def params_from_dict(raw: dict, source: str) -> Params:
+    """Type-check and validate params already read; a :class:`ConfigError` starts with ``source``."""
     try:
         return validate(_build(Params, raw, ""))
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def read_partial_params(path: str | os.PathLike) -> dict:
+    """The sections of a partial params.yaml (a recipe, a cluster overlay); a file that cannot be read,
+    is not YAML or is not a mapping of sections is a :class:`ConfigError` naming it."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(exc)})") from None
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise ConfigError(f"{path}: expected a partial params.yaml, a mapping of sections (data, model, "
+                          f"pretrain, ...) each a mapping of keys")
+    return raw
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:

@@ -13,7 +13,7 @@ import sys
 
 import yaml
 
-from pipeline.config import ConfigError, flatten, load_params, yaml_problem
+from pipeline.config import ConfigError, flatten, load_params, read_partial_params, yaml_problem
 
 
 def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object]:
@@ -22,7 +22,7 @@ def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object
     A dict-valued leaf such as ``augment`` is replaced whole, as DVC's ``-S`` does. A recipe that
     cannot be read, or a ``--set`` without ``=``, is a :class:`ConfigError` naming it.
     """
-    raw = _read_recipe(path) if path is not None else {}
+    raw = read_partial_params(path) if path is not None else {}
     flat: dict[str, object] = {}
     for section, body in raw.items():
         for key, value in flatten(body, section).items():
@@ -42,21 +42,6 @@ def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {item}: the value is not valid YAML ({yaml_problem(exc)})") from None
     return flat
-
-
-def _read_recipe(path: str) -> dict:
-    """The recipe's sections; a missing file, bad YAML or a top level that is not a mapping is a ConfigError."""
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(exc)})") from None
-    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
-        raise ConfigError(f"{path}: expected a partial params.yaml, a mapping of sections (data, model, "
-                          f"pretrain, ...) each a mapping of keys")
-    return raw
 
 
 def override_value(value: object) -> str:

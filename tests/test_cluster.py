@@ -335,7 +335,15 @@ def test_cluster_params_overlay(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("ray:\n  num_workers: 3\n")  # 64 is not divisible by 3
     assert overlay_tool.main([str(ROOT / "params.yaml"), str(bad), str(tmp_path / "bad-merged.yaml")]) == 2
-    assert "num_workers" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(f"error: {bad} over {ROOT / 'params.yaml'}: pretrain.global_batch_size: 64 "
+                                           "is not divisible by ray.num_workers=3")
+    (tmp_path / "broken.yaml").write_text("ray:\n  num_workers: [\n")
+    for name, needle in (("missing.yaml", "cannot read it (No such file or directory)"),
+                         ("broken.yaml", "not valid YAML")):
+        assert overlay_tool.main([str(ROOT / "params.yaml"), str(tmp_path / name), str(tmp_path / "bad-merged.yaml")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / name}: {needle}") and err.count("\n") == 1, err
+    assert not (tmp_path / "bad-merged.yaml").exists()  # nothing written for a bad overlay
     job = _load("rayjob.yaml")
     env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
     assert env["VIT_PARAMS_OVERLAY"] == "infra/params.cluster.yaml" and (ROOT / env["VIT_PARAMS"]).is_file()

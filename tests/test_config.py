@@ -166,8 +166,8 @@ def test_recipe_overrides_are_what_dvc_exp_run_applies(tmp_path):
 
 
 @pytest.mark.parametrize("recipe, sets, needle", [
-    ("nope.yaml", [], "nope.yaml: cannot read the recipe (No such file or directory)"),
-    (".", [], ": cannot read the recipe (Is a directory)"),
+    ("nope.yaml", [], "nope.yaml: cannot read it (No such file or directory)"),
+    (".", [], ": cannot read it (Is a directory)"),
     ("list.yaml", [], "list.yaml: expected a partial params.yaml, a mapping of sections"),
     ("bad.yaml", [], "bad.yaml: not valid YAML (expected the node content, but found '<stream end>' at line 3"),
     (None, ["model.depth"], "--set model.depth: expected KEY=VALUE"),

@@ -193,7 +193,7 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, tmp_path):
                     ["bash", "-c", pipe.format(tmp_path / "missing.yaml", "from-bad-recipe")]):
         proc = run(command, repo, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr  # a pipe's status is xargs'
-    assert proc.stderr == f"error: {tmp_path / 'missing.yaml'}: cannot read the recipe (No such file or directory)\n"
+    assert proc.stderr == f"error: {tmp_path / 'missing.yaml'}: cannot read it (No such file or directory)\n"
     assert "from-bad-recipe" not in run(["dvc", "queue", "status"], repo, timeout=120).stdout
     try:
         with open(repo / "queue-start.log", "w") as log:  # its worker keeps inherited pipes open: a file
