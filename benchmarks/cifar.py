@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import tarfile
+import tempfile
 from pathlib import Path
 
 from pipeline.config import DataConfig
@@ -11,17 +13,33 @@ from pipeline.data import shard_dataset
 CIFAR_TGZ = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpg.tar.gz"
 
 
+def extract_cifar(dest: Path, tarball: Path = CIFAR_TGZ) -> Path:
+    """``dest`` holding the tarball's ``train/`` and ``test/``, extracted once. Extracted beside it and
+    renamed when complete, so an interrupted extraction is not taken for the data set next time."""
+    if (dest / "train").is_dir():
+        return dest
+    if not Path(tarball).is_file():
+        raise FileNotFoundError(f"{tarball}: no such CIFAR-10 tarball (ImageFolder JPEGs, train/ and test/)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        with tarfile.open(tarball) as tf:
+            tf.extractall(tmp, filter="data")
+        if dest.exists():  # a folder without train/: not ours to keep
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
 def cifar_shards(out: Path, data: DataConfig, tarball: Path = CIFAR_TGZ) -> Path:
     """CIFAR-10 train+test from ``tarball``, extracted beside ``out`` (as ``<out>-jpg``) and sharded into
     ``out`` as ``data`` (the recipe's ``data.<stage>``, its ``root`` replaced by the extracted copy) says;
     nothing to do when ``out`` already holds them."""
     if not (out / "dataset.json").exists():
         print(f"sharding CIFAR-10 from {tarball} into {out} (once)", flush=True)
-        raw = out.parent / (out.name + "-jpg")
-        if not (raw / "train").is_dir():
-            if not Path(tarball).is_file():
-                raise FileNotFoundError(f"{tarball}: no such CIFAR-10 tarball (ImageFolder JPEGs, train/ and test/)")
-            with tarfile.open(tarball) as tf:
-                tf.extractall(raw, filter="data")
+        raw = extract_cifar(out.parent / (out.name + "-jpg"), tarball)
         shard_dataset(out, dataclasses.replace(data, source="imagefolder", root=str(raw)))
     return out

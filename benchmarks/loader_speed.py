@@ -18,7 +18,6 @@ import os
 import resource
 import statistics
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -28,23 +27,19 @@ from torchvision.datasets import ImageFolder
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cifar import extract_cifar  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.loader import _collate  # noqa: E402
 from pipeline.data.transforms import BatchFinish, SampleTransform, train_transform  # noqa: E402
 from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 
-TGZ = ROOT.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
 
 
 def ensure_data(extract_to: Path, shard_dir: Path, encoding: str = "source") -> Path:
     """Extract CIFAR-10 to /tmp (never the repo) and shard its train/ folder once."""
-    train = extract_to / "train"
-    if not train.is_dir():
-        extract_to.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(TGZ) as tf:
-            tf.extractall(extract_to, filter="data")
+    train = extract_cifar(extract_to) / "train"
     if not (shard_dir / "dataset.json").exists():
         shard_dataset(shard_dir, DataConfig(source="imagefolder", root=train, val_fraction=0.0, test_fraction=0.0,
                                             maxcount=2000, encoding=encoding))
@@ -128,4 +123,7 @@ def main() -> None:
           f"{cpu['webdataset-raw'] / cpu['webdataset']:.2f}x cpu")
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except FileNotFoundError as exc:  # no CIFAR-10 tarball: one line
+        sys.exit(f"error: {exc}")

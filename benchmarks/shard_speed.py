@@ -11,17 +11,16 @@ import argparse
 import os
 import resource
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cifar import extract_cifar  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import shard_dataset  # noqa: E402
 
-TGZ = ROOT.parent / "shared" / "data" / "cifar10-jpg.tar.gz"
 
 
 def rss_mb() -> float:
@@ -35,10 +34,8 @@ def main() -> None:
     ap.add_argument("--source", default="imagefolder", choices=["imagefolder", "fractals"])
     ap.add_argument("--maxcount", type=int, default=5000)
     args = ap.parse_args()
-    if args.source == "imagefolder" and not (args.data / "train").is_dir():
-        args.data.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(TGZ) as tf:
-            tf.extractall(args.data, filter="data")
+    if args.source == "imagefolder":
+        extract_cifar(args.data)
     base = rss_mb()
     c0, t0 = os.times(), time.perf_counter()
     if args.source == "imagefolder":
@@ -59,4 +56,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except FileNotFoundError as exc:  # no CIFAR-10 tarball: one line
+        sys.exit(f"error: {exc}")

@@ -120,12 +120,12 @@ def main() -> None:
         overrides = recipe_overrides(args.recipe, args.set)
         overrides["ray.backend"] = "local"  # one rank: the whole global batch on this device
         params = load_params(args.params, overrides=overrides)
-    except ConfigError as exc:
+        shard_dir = args.shards
+        if args.cifar:
+            shard_dir = cifar_shards(args.shards, getattr(params.data, args.stage), args.cifar_tarball)
+        info = read_dataset_info(shard_dir)
+    except (ConfigError, OSError) as exc:  # bad params, no tarball, no shards: one line
         sys.exit(f"error: {exc}")
-    shard_dir = args.shards
-    if args.cifar:
-        shard_dir = cifar_shards(args.shards, getattr(params.data, args.stage), args.cifar_tarball)
-    info = read_dataset_info(shard_dir)
     cfg = getattr(params, args.stage)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)

@@ -120,3 +120,34 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     assert bench.returncode == 0, bench.stderr[-3000:]
     assert "feed ratio" in bench.stdout and "batch 16" in bench.stdout
     assert read_dataset_info(tp_shards)["shards"] == info["shards"]  # sharded as the recipe says, both ways
+
+
+def test_cifar_extraction_is_all_or_nothing(tmp_path):
+    """The benchmarks' CIFAR-10 extraction: a tarball cut short leaves no folder behind (before, its
+    half-extracted train/ was taken for the data set by the next run), a missing one is named, and a
+    whole one is extracted once."""
+    import tarfile
+
+    from benchmarks.cifar import extract_cifar
+    from tests.data_helpers import make_imagefolder
+
+    make_imagefolder(tmp_path / "c10", classes=("cat", "dog"), per_class=20, splits=["train", "test"])
+    tarball, cut = tmp_path / "cifar.tar", tmp_path / "cut.tar"
+    with tarfile.open(tarball, "w") as tf:
+        tf.add(tmp_path / "c10" / "train", "train")
+        tf.add(tmp_path / "c10" / "test", "test")
+    cut.write_bytes(tarball.read_bytes()[: tarball.stat().st_size // 3])  # inside train/
+    dest = tmp_path / "data" / "cifar10"
+    with pytest.raises(tarfile.ReadError):
+        extract_cifar(dest, cut)
+    assert list((tmp_path / "data").iterdir()) == []  # neither dest nor the temp folder
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'none.tgz'}: no such CIFAR-10 tarball"):
+        extract_cifar(dest, tmp_path / "none.tgz")
+    assert extract_cifar(dest, tarball) == dest
+    assert sorted(p.name for p in dest.iterdir()) == ["test", "train"]
+    def files(d):
+        return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+
+    assert files(dest) == files(tmp_path / "c10") and len(files(dest)) > 40
+    tarball.unlink()
+    assert extract_cifar(dest, tarball) == dest  # already there: the tarball is not needed again
