@@ -2,35 +2,27 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import tarfile
-import tempfile
 from pathlib import Path
 
 from pipeline.config import DataConfig
 from pipeline.data import shard_dataset
+from pipeline.outputs import staged_outputs
 
 CIFAR_TGZ = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpg.tar.gz"
 
 
 def extract_cifar(dest: Path, tarball: Path = CIFAR_TGZ) -> Path:
     """``dest`` holding the tarball's ``train/`` and ``test/``, extracted once. Extracted beside it and
-    renamed when complete, so an interrupted extraction is not taken for the data set next time."""
+    renamed when complete (as a stage's outputs), so an interrupted extraction is not taken for the data
+    set next time."""
     if (dest / "train").is_dir():
         return dest
     if not Path(tarball).is_file():
         raise FileNotFoundError(f"{tarball}: no such CIFAR-10 tarball (ImageFolder JPEGs, train/ and test/)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
+    with staged_outputs(dest) as out:
         with tarfile.open(tarball) as tf:
-            tf.extractall(tmp, filter="data")
-        if dest.exists():  # a folder without train/: not ours to keep
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            tf.extractall(out[dest], filter="data")
     return dest
 
 
