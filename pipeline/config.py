@@ -25,6 +25,7 @@ INTERP_MODES = ("nearest", "bilinear", "bicubic", "area")
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 BACKENDS = ("ray", "local")
+INIT_SOURCES = ("pipeline", "timm", "torchvision")  # finetune.init_source: whose key layout a weights file has
 ENCODINGS = ("source", "raw")  # data.<name>.encoding: the source's bytes, or decoded pixels (binary PPM)
 
 
@@ -325,7 +326,7 @@ def _check_model(p: Params) -> None:
     for i, r in enumerate(p.evaluate.resolutions):
         _model_check(check_divisible, r, p.finetune_patch_size, f"evaluate.resolutions[{i}]", ft_patch_key)
     _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, INTERP_MODES)
-    _choice("finetune.init_source", p.finetune.init_source, ("pipeline", "timm", "torchvision"))
+    _choice("finetune.init_source", p.finetune.init_source, INIT_SOURCES)
 
 
 def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import Params, TrainConfig
+from pipeline.config import INIT_SOURCES, Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
 from pipeline.model import VisionTransformer, build_model, convert_state_dict, load_model, save_model
@@ -129,15 +129,17 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
         state = read_model_file(path, lambda p: load_file(str(p)), redo)
     else:
         state = read_model_file(path, lambda p: torch.load(p, map_location="cpu", weights_only=True), redo)
-    if params.finetune.init_source != "pipeline":
-        state = convert_state_dict(state, params.finetune.init_source, drop_head=True)
-    state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    layout = f"is finetune.init_source={params.finetune.init_source!r} right? valid: {', '.join(INIT_SOURCES)}"
     try:
+        if params.finetune.init_source != "pipeline":
+            state = convert_state_dict(state, params.finetune.init_source, drop_head=True)
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}
         width, _, patch, _ = state["patch_embed.proj.weight"].shape
         grid = math.isqrt(state["pos_embed"].shape[1] - 1)
     except KeyError as exc:
-        raise ValueError(f"finetune.init: {path} has no {exc} (is finetune.init_source="
-                         f"{params.finetune.init_source!r} right? valid: pipeline, timm, torchvision)") from None
+        raise ValueError(f"finetune.init: {path} has no {exc} ({layout})") from None
+    except ValueError as exc:  # keys the named layout does not have
+        raise ValueError(f"finetune.init: {path}: {exc} ({layout})") from None
     model = build_model(params.model, patch_size=patch, image_size=grid * patch, num_classes=0)
     if model.config.embed_dim != width:
         raise ValueError(f"finetune.init: {path} is {width} wide but model.preset={params.model.preset!r} is "

@@ -444,3 +444,11 @@ def test_finetune_start_from_timm_weights_file(tmp_path):
     with pytest.raises(ValueError, match=f"^{tmp_path / 'cut.pt'}: cannot be loaded, the file is corrupt or "
                                          "incomplete .*; finetune.init must name a model directory"):
         load_finetune_start(cut, num_classes=10)
+    ours = tmp_path / "ours"
+    save_model(nano(), ours)  # this pipeline's layout, given as torchvision's
+    wrong = load_params(root / "params.yaml", overrides={"finetune.init": str(ours / "model.safetensors"),
+                                                          "finetune.init_source": "torchvision"})
+    with pytest.raises(ValueError, match=rf"^finetune.init: {ours / 'model.safetensors'}: \d+ torchvision key\(s\) "
+                                         r"have no equivalent .*\(is finetune.init_source='torchvision' right\? "
+                                         r"valid: pipeline, timm, torchvision\)$"):
+        load_finetune_start(wrong, num_classes=10)
