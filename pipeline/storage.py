@@ -52,15 +52,15 @@ def join(base, *names: str) -> str:
 def shard_dir(name: str, default_root: str | os.PathLike = SHARDS):
     """Shard directory of dataset ``name``: ``$VIT_SHARDS_URL/<name>`` when set, else ``data/shards/<name>``."""
     root = os.environ.get(SHARDS_URL_ENV)
-    if root and is_url(root):
-        try:
-            filesystem(root)  # a scheme that cannot be opened fails here, naming the variable
-        except ValueError as exc:
-            raise ValueError(f"${SHARDS_URL_ENV}: {exc}") from None
-        return join(root, name)
-    if root:
+    if not root:
+        return Path(default_root) / name
+    if not is_url(root):
         return Path(root) / name
-    return Path(default_root) / name
+    try:
+        filesystem(root)  # a scheme that cannot be opened fails here, naming the variable
+    except ValueError as exc:
+        raise ValueError(f"${SHARDS_URL_ENV}: {exc}") from None
+    return join(root, name)
 
 
 def worker_path(path) -> str:

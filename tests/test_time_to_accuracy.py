@@ -145,6 +145,7 @@ def test_cifar_extraction_is_all_or_nothing(tmp_path):
         extract_cifar(dest, tmp_path / "none.tgz")
     assert extract_cifar(dest, tarball) == dest
     assert sorted(p.name for p in dest.iterdir()) == ["test", "train"]
+
     def files(d):
         return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
 
