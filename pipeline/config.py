@@ -193,7 +193,12 @@ class Params:
 
     @property
     def tracking_uri(self) -> str:
-        return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+        return tracking_uri()
+
+
+def tracking_uri() -> str:
+    """Where runs and models go: ``$MLFLOW_TRACKING_URI``, else the repository's sqlite store."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
 # --------------------------------------------------------------------------- generic parsing

@@ -18,6 +18,7 @@ from pipeline.metrics import attention_rollout, classification_metrics, confusio
 from pipeline.model import ViTConfig, VisionTransformer, attention_maps, load_model
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_attention, plot_confusion, plot_history
+from pipeline.registry import model_run_tag
 from pipeline.tracking import stage_run
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text
 
@@ -123,7 +124,8 @@ def evaluate(params: Params) -> dict:
     with staged_outputs(*OUTPUTS) as out, \
             stage_run("evaluate", params, extra_params={"model_size": params.model.preset, "image_size": size,
                                                         "patch_size": model.config.patch_size[0],
-                                                        "world_size": world_size(params.ray)}):
+                                                        "world_size": world_size(params.ray)},
+                      tags=model_run_tag(meta)):
         logits, labels = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
         check_exactly_once(labels, info, "test")
         metrics = classification_metrics(logits, labels)

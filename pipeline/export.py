@@ -13,6 +13,7 @@ from pipeline.config import Params
 from pipeline.data import make_eval_loader
 from pipeline.model import VisionTransformer, load_model, save_model
 from pipeline.outputs import staged_outputs
+from pipeline.registry import EXPORT_ARTIFACTS, model_run_tag, record_version
 from pipeline.tracking import stage_run
 from pipeline.utils import EXPORTS, METRICS, MODELS, atomic_write_json
 
@@ -61,15 +62,18 @@ def _compare(reference: torch.Tensor, other: np.ndarray | torch.Tensor) -> dict[
             "top1_agreement": (reference.argmax(1) == other.argmax(1)).float().mean().item()}
 
 
-def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: torch.Tensor, name: str) -> dict:
-    """Log the model (pyfunc-servable, with signature and input example) and register a new version."""
+def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: torch.Tensor, name: str,
+                      run, meta: dict) -> dict:
+    """Log the model (pyfunc-servable, with signature and input example), register a new version and
+    say on it where it came from (:mod:`pipeline.registry`)."""
     from mlflow.models import infer_signature
 
     signature = infer_signature(images[:4].numpy(), logits[:4].numpy())
     info = mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=images[:2].numpy(),
                                     registered_model_name=name, code_paths=[PACKAGE_DIR])
-    return {"name": name, "version": int(info.registered_model_version), "uri": f"models:/{name}/"
-            f"{info.registered_model_version}"}
+    version = int(info.registered_model_version)
+    record_version(mlflow.MlflowClient(), run, name, version, meta)
+    return {"name": name, "version": version, "uri": f"models:/{name}/{version}"}
 
 
 def _export_and_compare(fmt: str, model: VisionTransformer, images: torch.Tensor, reference: torch.Tensor,
@@ -98,7 +102,8 @@ def export(params: Params) -> dict:
     extra = {k: v for k, v in meta.items() if k != "model"}
     with staged_outputs(EXPORTS, METRICS / "export.json") as out, \
             stage_run("export", params, extra_params={"model_size": params.model.preset,
-                                                      "image_size": meta["image_size"]}):
+                                                      "image_size": meta["image_size"]},
+                      tags=model_run_tag(meta)) as run:
         tmp = out[EXPORTS]
         tmp.mkdir()
         results = {fmt: _export_and_compare(fmt, model, images, reference, tmp, cfg.opset, extra)
@@ -112,10 +117,11 @@ def export(params: Params) -> dict:
             mlflow.log_metrics({f"{fmt}_max_abs_diff": r["max_abs_diff"], f"{fmt}_top1_agreement": r["top1_agreement"]})
         if failed:
             raise ValueError("export parity check failed: " + "; ".join(failed))
-        report["registered_model"] = log_and_register(model, images, reference, cfg.registered_model_name)
+        report["registered_model"] = log_and_register(model, images, reference, cfg.registered_model_name,
+                                                        run, meta)
         atomic_write_json(out[METRICS / "export.json"], report)
         out.publish()
-        mlflow.log_artifacts(str(EXPORTS), artifact_path="exports")
+        mlflow.log_artifacts(str(EXPORTS), artifact_path=EXPORT_ARTIFACTS)
     for fmt, r in results.items():
         print(f"[export] {fmt}: max |logit diff| {r['max_abs_diff']:.2e}, top-1 agreement "
               f"{r['top1_agreement']:.3f}", flush=True)

@@ -2,6 +2,8 @@
 
     python -m pipeline.predict path/to/img.png some/dir [--model exports] [--format onnx|torchscript|safetensors]
 
+``--model`` is an export directory, or a registered version (``models:/vit-pipeline@champion``,
+``models:/vit-pipeline/3``) whose export files are fetched from its MLflow run ($MLFLOW_TRACKING_URI).
 Prints ``path<TAB>class<TAB>probability`` per image. A missing or non-image file, or a directory
 with no image files, gets an ``error:`` line on stderr and the others still run.
 
@@ -9,13 +11,16 @@ Exit codes:
   0  every input was classified
   1  some input failed (missing, not a readable image, a directory without image files)
   2  a bad argument (e.g. ``--batch-size 0``), or an export that cannot be loaded or run (a missing
-     or corrupt ``config.json`` or model file, or the two disagree; the message names the file)
+     or corrupt ``config.json`` or model file, or the two disagree; the message names the file), or a
+     registered version that cannot be fetched
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +30,7 @@ from PIL import Image, UnidentifiedImageError
 
 from pipeline.data.transforms import eval_transform
 from pipeline.model.io import ModelFileError, load_model, read_model_file
+from pipeline.registry import MODEL_URI, download_export  # imports MLflow only when it downloads
 from pipeline.utils import error_summary
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"}
@@ -77,6 +83,21 @@ def _safetensors_runner(path: Path):
 RUNNERS = {"onnx": _onnx_runner, "torchscript": _torchscript_runner, "safetensors": _safetensors_runner}
 
 
+def load_predictor(model: str, fmt: str) -> "Predictor":
+    """``--model`` as an export directory, or a registered version whose config.json and model file are
+    fetched into a temporary folder (the predictor holds them in memory)."""
+    if not model.startswith(MODEL_URI):
+        return Predictor(model, fmt)
+    if fmt not in RUNNERS:
+        raise ValueError(f"--format {fmt!r}: choose one of {', '.join(RUNNERS)}")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the line below says it instead
+    with tempfile.TemporaryDirectory(prefix="vit-predict-") as tmp:
+        folder, version = download_export(model, ["config.json", MODEL_FILES[fmt]], Path(tmp))
+        print(f"[predict] {model}: version {version.version} (export run {version.run_id}), "
+              f"fetched config.json and {MODEL_FILES[fmt]}", file=sys.stderr, flush=True)
+        return Predictor(folder, fmt)
+
+
 class Predictor:
     """Loads one exported format and the preprocessing recorded in its config.json."""
 
@@ -127,7 +148,8 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="image files or directories")
     ap.add_argument("--model", default="exports", help="export directory: its config.json and model.<format> "
-                    "(default: exports, written by the export stage)")
+                    "(default: exports, written by the export stage), or a registered version: "
+                    "models:/<name>@<alias> or models:/<name>/<version>")
     ap.add_argument("--format", default="onnx", choices=list(RUNNERS))
     ap.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass (default: 64)")
     return ap.parse_args(argv)
@@ -149,7 +171,7 @@ def gather(paths: list[str]) -> tuple[list[Path], int]:
 def main(argv: list[str] | None = None, prog: str = "python -m pipeline.predict") -> int:
     args = parse_args(argv, prog)
     try:
-        predictor = Predictor(args.model, args.format)
+        predictor = load_predictor(args.model, args.format)
     except ModelFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

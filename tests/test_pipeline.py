@@ -141,6 +141,14 @@ def test_pipeline_run_is_what_you_compare(repro):
     assert (parent.info.end_time - parent.info.start_time) / 1000 >= sum(m[f"{s}.wall_s"] for s in STAGES) - 1
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
     assert t["git.commit"] == commit and len(t["dvc.lock"]) == 16 and "dvc.exp_name" not in t
+    # the registered version and the pipeline run name each other; dvc repro runs evaluate before export
+    # (dvc.yaml's order), so the version has the test top-1 of the model it holds
+    version = client.get_model_version("vit-pipeline", "1")
+    assert t["registered_model"] == "models:/vit-pipeline/1" and version.run_id == children["export"].info.run_id
+    assert version.tags["pipeline.run_id"] == parent.info.run_id and version.tags["git.commit"] == commit
+    assert version.tags["finetune.run_id"] == children["finetune"].info.run_id \
+        == children["evaluate"].data.tags["finetune.run_id"]
+    assert version.tags["test_top1"] == f"{ev['top1']:.4f}" and f"{ev['top1']:.2%}" in version.description
     # the shards as dataset inputs: name, digest from the manifest, source, counts, context
     manifests = {n: hashlib.sha256((repo / f"data/shards/{n}/manifest.parquet").read_bytes()).hexdigest()[:10]
                  for n in ("pretrain", "finetune")}
@@ -376,17 +384,20 @@ def test_predict_cli_good_and_bad_files(repro, tmp_path):
 
 
 def test_registered_model_serves(repro, port_factory):
-    """`mlflow models serve -m models:/vit-pipeline/1` answers with the fine-tuned model's logits."""
+    """The README's promotion: an alias on version 1, then `mlflow models serve -m models:/vit-pipeline@champion`
+    answers with the fine-tuned model's logits."""
     import time
     import urllib.request
 
     import numpy as np
     import torch
+    from mlflow.tracking import MlflowClient
 
     from pipeline.data import make_eval_loader
     from pipeline.model import load_model
 
     repo, _ = repro
+    MlflowClient(f"sqlite:///{repo}/mlflow.db").set_registered_model_alias("vit-pipeline", "champion", 1)
     model, meta = load_model(repo / "models/finetune")
     images, _ = next(iter(make_eval_loader(repo / "data/shards/finetune", "test", batch_size=4,
                                            image_size=meta["image_size"], rank=0, world_size=1,
@@ -396,8 +407,8 @@ def test_registered_model_serves(repro, port_factory):
     port = port_factory()
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{repo}/mlflow.db",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    server = subprocess.Popen(["mlflow", "models", "serve", "-m", "models:/vit-pipeline/1", "--env-manager", "local",
-                               "--host", "127.0.0.1", "-p", str(port)], cwd=repo, env=env,
+    server = subprocess.Popen(["mlflow", "models", "serve", "-m", "models:/vit-pipeline@champion", "--env-manager",
+                               "local", "--host", "127.0.0.1", "-p", str(port)], cwd=repo, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         for _ in range(120):
@@ -416,6 +427,26 @@ def test_registered_model_serves(repro, port_factory):
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
+
+
+def test_predict_a_registered_version(repro, tmp_path):
+    """The README's `vit-pipeline predict --model models:/vit-pipeline@champion`: the version's export files,
+    fetched from its MLflow run, classify as the export directory does, by alias and by number."""
+    from mlflow.tracking import MlflowClient
+
+    repo, _ = repro
+    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    client.set_registered_model_alias("vit-pipeline", "champion", 1)
+    run_id = client.get_model_version("vit-pipeline", "1").run_id
+    _test_images(repo, 5, tmp_path / "imgs")
+    for model, fmt, file in (("models:/vit-pipeline@champion", "onnx", "model.onnx"),
+                             ("models:/vit-pipeline/1", "torchscript", "model.torchscript.pt")):
+        local = run([sys.executable, "-m", "pipeline", "predict", str(tmp_path / "imgs"), "--format", fmt], repo)
+        fetched = run([sys.executable, "-m", "pipeline", "predict", str(tmp_path / "imgs"), "--format", fmt,
+                       "--model", model], repo)
+        assert local.returncode == fetched.returncode == 0, fetched.stderr[-2000:]
+        assert fetched.stdout == local.stdout and len(fetched.stdout.splitlines()) == 5
+        assert fetched.stderr == f"[predict] {model}: version 1 (export run {run_id}), fetched config.json and {file}\n"
 
 
 def _would_run(repo: Path, **edits) -> set[str]:

@@ -113,3 +113,88 @@ def test_ui_link_opens_the_model_training_view():
 
     assert ui_link("http://mlflow.internal:5000/", "7") == (
         "http://mlflow.internal:5000/#/experiments/7?workflowType=machine_learning")
+
+
+def _register(client, run, name: str = "vit-pipeline") -> int:
+    """A version of ``name`` from ``run``, as `mlflow.pytorch.log_model(registered_model_name=...)` makes one."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException:  # already there
+        pass
+    return int(client.create_model_version(name, f"runs:/{run.info.run_id}/model", run_id=run.info.run_id).version)
+
+
+def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, monkeypatch):
+    """The export stage's version carries the pipeline run, DVC experiment, data, the run that trained the
+    model and the test metrics of that model's evaluation (not another model's); the pipeline run names
+    the version. A model never evaluated says so."""
+    import hashlib
+
+    import mlflow
+
+    from pipeline.registry import model_run_tag, record_version
+
+    monkeypatch.setenv("DVC_EXP_NAME", "p8-r48")
+    params = load_params("params.yaml")
+    with stage_run("finetune", params) as trained:
+        pass
+    meta = {"mlflow_run_id": trained.info.run_id, "image_size": 48, "model": {"patch_size": [8, 8]}}
+    for model_tags, top1 in ((model_run_tag(meta), 0.875), ({"finetune.run_id": "another-model"}, 0.25)):
+        with stage_run("evaluate", params, tags=model_tags):
+            mlflow.log_metrics({"top1": top1, "top5": 1.0, "loss": 0.5})
+    client, _, (parent,) = _client_and_parent(workdir)
+    with stage_run("export", params, tags=model_run_tag(meta)) as run:
+        version = _register(client, run)
+        tags = record_version(client, run, "vit-pipeline", version, meta)
+    got = client.get_model_version("vit-pipeline", str(version))
+    manifest = hashlib.sha256((workdir / "data/shards/finetune/manifest.parquet").read_bytes()).hexdigest()[:10]
+    assert got.tags == tags
+    assert {k: tags[k] for k in ("pipeline.run_id", "dvc.exp_name", "finetune.run_id", "data.finetune",
+                                 "image_size", "patch_size", "test_top1", "test_top5")} == {
+        "pipeline.run_id": parent.info.run_id, "dvc.exp_name": "p8-r48", "finetune.run_id": trained.info.run_id,
+        "data.finetune": f"finetune-digits@{manifest}", "image_size": "48", "patch_size": "8",
+        "test_top1": "0.8750", "test_top5": "1.0000"}
+    assert got.description == (f"Pipeline run p8-r48 ({parent.info.run_id}), DVC experiment p8-r48, commit unknown; "
+                               f"48 px, patch 8; test top-1 87.50% on finetune-digits@{manifest}.")
+    assert client.get_run(parent.info.run_id).data.tags["registered_model"] == f"models:/vit-pipeline/{version}"
+    (found,) = client.search_model_versions("tags.`dvc.exp_name` = 'p8-r48'")  # the README's search
+    assert found.version == got.version
+
+    meta["mlflow_run_id"] = "never-evaluated"
+    with stage_run("export", params, tags=model_run_tag(meta)) as run:
+        version = _register(client, run)
+        tags = record_version(client, run, "vit-pipeline", version, meta)
+    assert "test_top1" not in tags and tags["finetune.run_id"] == "never-evaluated"
+    assert client.get_model_version("vit-pipeline", str(version)).description.endswith(
+        "not evaluated when registered (the pipeline run has the test metrics once evaluate ends).")
+
+
+def test_a_registered_version_that_cannot_be_fetched_is_one_error(workdir, tmp_path, monkeypatch):
+    """predict's --model models:/...: a version without exports/ artifacts, an alias or model that is not
+    there, a URI that names no version: a ModelFileError naming the URI (predict: one line, exit 2)."""
+    from pipeline.model.io import ModelFileError
+    from pipeline.registry import download_export
+
+    params = load_params("params.yaml")
+    with stage_run("export", params) as run:
+        pass
+    client, _, _ = _client_and_parent(workdir)
+    _register(client, run)
+    store = f"sqlite:///{workdir}/mlflow.db"
+    for uri, why in (("models:/vit-pipeline/1", "has no exports/config.json artifact"),  # not by the export stage
+                     ("models:/vit-pipeline@champion", "alias champion not found"),
+                     ("models:/other/2", "(name=other, version=2) not found")):
+        with pytest.raises(ModelFileError) as err:
+            download_export(uri, ["config.json"], tmp_path)
+        assert str(err.value).startswith(f"{uri}: cannot fetch its export from the MLflow store {store} (")
+        assert why in str(err.value) and "\n" not in str(err.value)
+    missing = tmp_path / "elsewhere.db"  # a store that is not there: said, not made
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{missing}")
+    with pytest.raises(ModelFileError, match=f"store sqlite:///{missing} \\(there is no such store"):
+        download_export("models:/vit-pipeline/1", ["config.json"], tmp_path)
+    assert not missing.exists()
+    for bad in ("models:/vit-pipeline", "models:/vit-pipeline@", "models:/x/latest"):
+        with pytest.raises(ModelFileError, match="want models:/<name>/<version> or models:/<name>@<alias>"):
+            download_export(bad, ["config.json"], tmp_path)
