@@ -22,8 +22,8 @@ PROG = "vit-pipeline"
 
 # name -> ("module:function" that runs it as function(argv, prog=...), one-line summary for --help)
 COMMANDS = {
-    "predict": ("pipeline.predict:main", "classify image files with the exported model in exports/ "
-                                         "(prints path, class, probability)"),
+    "predict": ("pipeline.predict:main", "classify image files with the exported model in exports/ or a "
+                                         "registered version (prints path, class, probability)"),
     "storage": ("pipeline.storage:main", "push | pull | ls: mirror shard/model directories to and from "
                                          "s3:// prefixes"),
     "recipe": ("pipeline.recipes:main", "check a recipe (configs/*.yaml) against params.yaml and print it "

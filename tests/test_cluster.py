@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import urllib.error
 import urllib.request
@@ -192,6 +193,19 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     assert int(version.version) == export["registered_model"]["version"] and version.status == "READY"
     assert {r.data.tags["stage"] for r in ml.search_runs([exp.experiment_id], "tags.kind = 'stage'")} == \
         {"pretrain", "finetune", "evaluate", "export"}
+    top1 = json.loads((ws / "metrics/evaluate.json").read_text())["top1"]
+    assert version.tags["test_top1"] == f"{top1:.4f}"  # the job evaluated before it exported
+
+    # 6. A colleague classifies with that version through the server (its export run's artifacts, fetched
+    #    over HTTP), as the workspace's own exports/ do.
+    image = tmp_path / "digit.png"
+    with tarfile.open(next((ws / "data/shards/finetune").glob("test-*.tar"))) as tf:
+        image.write_bytes(tf.extractfile(next(m for m in tf.getmembers() if m.name.endswith(".png"))).read())
+    by_uri, by_dir = (subprocess.run([sys.executable, "-m", "pipeline", "predict", "--model", model, str(image)],
+                                     cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+                      for model in (f"models:/cluster-job-model/{version.version}", str(ws / "exports")))
+    assert by_uri.returncode == by_dir.returncode == 0, by_uri.stderr[-2000:]
+    assert by_uri.stdout == by_dir.stdout and by_uri.stdout.startswith(f"{image}\t")
 
 
 @pytest.mark.slow
