@@ -51,14 +51,14 @@ def _dataset_tag(name: str) -> str:
 
 def version_tags(run, meta: dict[str, Any], test: dict[str, float]) -> dict[str, str]:
     """The tags of the version that the export stage's ``run`` registered from a model with ``meta``."""
-    tags = run.data.tags
-    out = {k: tags[k] for k in ("git.commit", "git.dirty", "pipeline.id") if k in tags}
-    out["pipeline.run_id"] = tags["mlflow.parentRunId"]
+    tags = run.data.tags  # in the order the registry's version list shows them: what tells versions apart first
+    out = {k: f"{v:.4f}" for k, v in test.items()}
     out.update(pipeline_run.experiment_name_tag())
-    out.update(model_run_tag(meta))
     out["data.finetune"] = _dataset_tag("finetune")
     out["image_size"], out["patch_size"] = str(meta["image_size"]), str(meta["model"]["patch_size"][0])
-    out.update({k: f"{v:.4f}" for k, v in test.items()})
+    out.update({k: tags[k] for k in ("git.commit", "git.dirty") if k in tags})
+    out["pipeline.run_id"] = tags["mlflow.parentRunId"]
+    out.update(model_run_tag(meta))
     return out
 
 

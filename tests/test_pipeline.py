@@ -298,6 +298,13 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro):
                     value = r.data.metrics["test_top1"]
                     assert page.get_by_text(re.compile(rf"^{value:.5g}")).count() >= 1, value
                 compact_screenshot(page, screenshot, hidden="model.preset", kept="finetune.interpolation.mode")
+                # the registered version's page says where it came from and how it tested (pipeline/registry.py)
+                version = client.get_model_version("vit-pipeline", "1")
+                page.goto(f"{url}/#/models/vit-pipeline/versions/1")
+                page.get_by_text(version.description).first.wait_for()
+                for tag in ("test_top1", "pipeline.run_id"):
+                    row = page.get_by_role("row").filter(has=page.get_by_text(tag, exact=True))
+                    assert row.first.inner_text().split() == [tag, version.tags[tag]]
             finally:
                 browser.close()
     assert screenshot.stat().st_size > 20_000
