@@ -83,18 +83,24 @@ def _safetensors_runner(path: Path):
 RUNNERS = {"onnx": _onnx_runner, "torchscript": _torchscript_runner, "safetensors": _safetensors_runner}
 
 
+def model_file_name(fmt: str) -> str:
+    """The export's file of format ``fmt``; an unknown format is a ValueError naming the choices."""
+    if fmt not in RUNNERS:
+        raise ValueError(f"--format {fmt!r}: choose one of {', '.join(RUNNERS)}")
+    return MODEL_FILES[fmt]
+
+
 def load_predictor(model: str, fmt: str) -> "Predictor":
     """``--model`` as an export directory, or a registered version whose config.json and model file are
     fetched into a temporary folder (the predictor holds them in memory)."""
     if not model.startswith(MODEL_URI):
         return Predictor(model, fmt)
-    if fmt not in RUNNERS:
-        raise ValueError(f"--format {fmt!r}: choose one of {', '.join(RUNNERS)}")
+    name = model_file_name(fmt)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the line below says it instead
     with tempfile.TemporaryDirectory(prefix="vit-predict-") as tmp:
-        folder, version = download_export(model, ["config.json", MODEL_FILES[fmt]], Path(tmp))
+        folder, version = download_export(model, ["config.json", name], Path(tmp))
         print(f"[predict] {model}: version {version.version} (export run {version.run_id}), "
-              f"fetched config.json and {MODEL_FILES[fmt]}", file=sys.stderr, flush=True)
+              f"fetched config.json and {name}", file=sys.stderr, flush=True)
         return Predictor(folder, fmt)
 
 
@@ -102,8 +108,7 @@ class Predictor:
     """Loads one exported format and the preprocessing recorded in its config.json."""
 
     def __init__(self, model_dir: str | Path = "exports", fmt: str = "onnx"):
-        if fmt not in RUNNERS:
-            raise ValueError(f"--format {fmt!r}: choose one of {', '.join(RUNNERS)}")
+        name = model_file_name(fmt)
         model_dir = Path(model_dir)
         meta = read_config(model_dir / "config.json")
         self.classes = meta["classes"]
@@ -112,7 +117,7 @@ class Predictor:
         except (TypeError, ValueError) as exc:
             raise ModelFileError(f"{model_dir / 'config.json'}: bad image_size or normalize ({error_summary(exc)}); "
                                  f"{REEXPORT}") from None
-        self.model_file = model_dir / MODEL_FILES[fmt]
+        self.model_file = model_dir / name
         self._run = load_file(self.model_file, RUNNERS[fmt])
 
     def preprocess(self, path: Path) -> torch.Tensor:
