@@ -121,6 +121,7 @@ class TrainConfig:
     checkpoint_every_epochs: int = 1
     log_every_steps: int = 10
     compile: bool = False
+    grad_checkpointing: bool = False
 
 
 @dataclass

@@ -59,6 +59,40 @@ def test_accumulated_step_equals_one_big_step():
         torch.testing.assert_close(states[0][k], states[1][k], rtol=1e-4, atol=1e-7, msg=k)
 
 
+def test_grad_checkpointing_step_equals_the_plain_step():
+    """``grad_checkpointing: true`` reaches the model through the recipe and trains identically (CPU:
+    bit for bit, stochastic depth included)."""
+    x, y = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(3)), torch.arange(8) % 10
+    model = build_vit("nano", patch_size=4, image_size=16, num_classes=10, depth=2, drop_path_rate=0.3)
+    results = []
+    for enable in (False, True):
+        m = copy.deepcopy(model)
+        stepper = Stepper(m, _cfg(m.config.to_dict(), grad_checkpointing=enable), torch.device("cpu"))
+        assert m.grad_checkpointing is enable
+        torch.manual_seed(5)
+        results.append(([stepper(x, y)[0].item() for _ in range(2)], m.state_dict()))
+    (plain_loss, plain), (ck_loss, ck) = results
+    assert ck_loss == plain_loss
+    for k in plain:
+        assert torch.equal(ck[k], plain[k]), k
+
+
+def test_train_memory_benchmark_runs_on_cpu():
+    """The README's activation-memory benchmark, shortened: both sides measured and compared."""
+    proc = run_as_on_gpu_box("benchmarks/train_memory.py", "--preset", "nano", "--patch-size", "4",
+                             "--image-size", "32", "--batch", "32", "--classes", "10", "--steps", "1",
+                             "--rounds", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in proc.stdout.splitlines()[1:]}
+    (off_speed, off_mem), (on_speed, on_mem) = (
+        (float(rows[k].split()[0]), float(rows[k].split("step memory")[1].split()[0]))
+        for k in ("without checkpointing", "with checkpointing"))
+    assert min(off_speed, on_speed, off_mem, on_mem) > 0
+    ratio = float(rows["checkpointing"].split("x")[0])
+    assert ratio == pytest.approx(off_mem / on_mem, abs=0.01)
+    assert "train step of nano/4 at 32 px on CPU: batch 32, fp32" in proc.stdout
+
+
 def test_throughput_benchmark_runs_on_cpu(digits_dir):
     """The README's benchmark command, shortened, compiled and with --compare-eager (the GPU runbook's
     form): it measures every side and prints the feed ratio, and runs where Ray, MLflow, DVC, ONNX and

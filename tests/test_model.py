@@ -414,6 +414,47 @@ def test_drop_path_eval_deterministic_train_stochastic():
         torch.testing.assert_close(deterministic(x), deterministic(x), rtol=0, atol=0)
 
 
+# ----------------------------------------------------------------------------- activation checkpointing
+def _saved_bytes(model: VisionTransformer, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages that autograd keeps for backward after one forward."""
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_grad_checkpointing_gives_the_same_gradients_and_keeps_less(pool):
+    """Checkpointed blocks (both forward paths) give bit-identical loss and gradients, stochastic depth
+    included (its masks are replayed), and autograd keeps a fraction of the activations."""
+    torch.manual_seed(0)
+    base = build_vit("nano", patch_size=4, image_size=32, num_classes=10, pool=pool, drop_path_rate=0.3)
+    x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 10
+    grads, kept = [], []
+    for enable in (False, True):
+        model = build_vit("nano", patch_size=4, image_size=32, num_classes=10, pool=pool, drop_path_rate=0.3)
+        model.load_state_dict(base.state_dict())
+        model.set_grad_checkpointing(enable)
+        torch.manual_seed(7)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        kept.append(_saved_bytes(model, x))
+    (loss0, g0), (loss1, g1) = grads
+    assert torch.equal(loss0, loss1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+    assert kept[1] * 4 < kept[0], kept  # nano, 65 tokens: ~12x less here
+    model.eval()
+    with torch.no_grad():  # inference ignores the setting
+        torch.testing.assert_close(model(x), base.eval()(x), rtol=0, atol=0)
+
+
 def test_finetune_start_from_timm_weights_file(tmp_path):
     """`finetune.init` + `init_source: timm`: a timm checkpoint at its own patch/grid is loaded, then moved
     to the fine-tune resolution and patch size; features match timm's before the move."""

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import ViTConfig
 from .resample import resample_patch_embed, resample_pos_embed
@@ -158,6 +159,7 @@ class VisionTransformer(nn.Module):
     def __init__(self, config: ViTConfig):
         super().__init__()
         self.config = config
+        self.grad_checkpointing = False  # a training setting, not part of the architecture or its config
         d = config.embed_dim
         self.patch_embed = PatchEmbed(config.patch_size, config.in_chans, d)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
@@ -210,7 +212,8 @@ class VisionTransformer(nn.Module):
         """Images ``[B, C, H, W]`` -> normalised tokens ``[B, 1 + N, D]`` (token 0 is [CLS])."""
         grid = self._check_input(x)
         x = self._pos_embed(self.patch_embed(x), grid)
-        x = self.blocks(x)
+        for block in self.blocks:
+            x = self._run(block, x)
         return self.norm(x)
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -238,9 +241,26 @@ class VisionTransformer(nn.Module):
         x = self._pos_embed(self.patch_embed(x), grid)
         *body, last = self.blocks
         for block in body:
-            x = block(x)
-        x = self.norm(last.forward_prefix(x, self.num_prefix_tokens))
+            x = self._run(block, x)
+        x = self.norm(self._run(last.forward_prefix, x, self.num_prefix_tokens))
         return self.head(x[:, 0])
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations during backward instead of keeping them (timm's name).
+
+        Training memory then holds one ``[B, T, D]`` tensor per block instead of every intermediate
+        (qkv, attention output, the 4x-wide MLP hidden, norms), for about one more forward pass of
+        compute. Results are unchanged: the recomputation replays the saved RNG state, so dropout and
+        stochastic depth draw the same masks. Inference (no grad) is not affected.
+        """
+        self.grad_checkpointing = enable
+
+    def _run(self, fn, x: torch.Tensor, *args) -> torch.Tensor:
+        """``fn(x, *args)``, checkpointed when enabled and autograd records (non-reentrant: works
+        with DDP, autocast and ``torch.compile``)."""
+        if self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_tracing():
+            return checkpoint(fn, x, *args, use_reentrant=False)
+        return fn(x, *args)
 
     # ------------------------------------------------------------ adaptation
     @torch.no_grad()

@@ -44,6 +44,7 @@ class LoopConfig:
     early_stop_patience: Optional[int]
     amp: str
     compile: bool
+    grad_checkpointing: bool
     checkpoint_every_steps: Optional[int]
     checkpoint_every_epochs: int
     log_every_steps: int

@@ -59,12 +59,14 @@ def evaluate_split(net: torch.nn.Module, loader, *, amp: str, device: torch.devi
 
 
 class Stepper:
-    """One optimizer step on a batch: mixing, gradient accumulation, AMP scaler, clipping, EMA.
+    """One optimizer step on a batch: mixing, gradient accumulation, AMP scaler, clipping, EMA (and the
+    recipe's activation checkpointing, switched on the model here so every caller of the step gets it).
 
     Returns the batch's loss and correct counts as device tensors (no host sync per step)."""
 
     def __init__(self, model: torch.nn.Module, cfg: LoopConfig, device: torch.device):
         self.model, self.cfg, self.device = model, cfg, device
+        unwrap(model).set_grad_checkpointing(cfg.grad_checkpointing)
         self.forward = torch.compile(model) if cfg.compile else model
         self.micro, self.accum = accumulation(cfg.per_worker_batch, cfg.max_worker_batch)
         self.optimizer, self.scheduler = build_optimizer(
