@@ -225,15 +225,16 @@ def test_optimizer_is_fused_adamw_and_steps_like_the_reference():
 def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
     """World-size invariance: same global batch and seed → same samples and augmentations per global
     step, so the first-step loss (mean over the global batch) matches on 1 and 2 workers (the latter
-    Ray Train ranks with a DataLoader worker each; the former in-process, which the next test shows
-    equal to a 1-worker Ray run)."""
+    Ray Train ranks with a DataLoader worker each, and activation checkpointing under DDP; the former
+    in-process, which the next test shows equal to a 1-worker Ray run)."""
     from mlflow.tracking import MlflowClient
 
     losses = {}
     for workers in (1, 2):
         def edit(raw, workers=workers):
             raw = short_run(raw)
-            raw["pretrain"].update(epochs=1, checkpoint_every_steps=None, log_every_steps=1)
+            raw["pretrain"].update(epochs=1, checkpoint_every_steps=None, log_every_steps=1,
+                                   grad_checkpointing=workers == 2)  # recomputation changes nothing
             raw["ray"].update(num_workers=workers, loader_workers=workers - 1,  # 2 ranks x 1 DataLoader worker
                               backend="local" if workers == 1 else "ray")
             return raw
@@ -246,6 +247,7 @@ def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
         exp = client.get_experiment_by_name("vit-pipeline")
         (r,) = client.search_runs([exp.experiment_id], "tags.stage = 'pretrain'")
         assert r.data.params["world_size"] == str(workers)
+        assert r.data.params["pretrain.grad_checkpointing"] == str(workers == 2)
         history = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "train_loss_step")}
         losses[workers] = history
     assert losses[1][1] == pytest.approx(losses[2][1], rel=1e-5, abs=1e-6)
