@@ -231,6 +231,13 @@ def _wall_s(client, run, stage: str) -> float:
     return value if value is not None else (run.info.end_time - run.info.start_time) / 1000
 
 
+def _tag_device(client, parent: str, stage: str, run) -> None:
+    """``<stage>.device`` on the pipeline run: what the stage computed on (its run's ``env.device``)."""
+    device = run.data.tags.get("env.device")
+    if device:
+        client.set_tag(parent, f"{stage}.device", device)
+
+
 def backfill_skipped(client, experiment_id: str, parent: str, pid: str, upto: str) -> None:
     """Stages before ``upto`` (in dvc.yaml order) that did not run under this pipeline -- DVC found them up
     to date -- get their results from their outputs (a stage that still runs later overwrites them)."""
@@ -246,6 +253,7 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, upto: st
         if producer is not None and producer.info.end_time:
             results[f"{stage}.wall_s"] = _wall_s(client, producer, stage)
             client.set_tag(parent, f"{stage}.run_id", producer.info.run_id)
+            _tag_device(client, parent, stage, producer)
         log_results(client, parent, results)
         client.set_tag(parent, f"{stage}.reused", "true")
 
@@ -259,6 +267,7 @@ def stage_finished(client, parent: str, stage: str, run_id: str | None, start_ms
     log_results(client, parent, metrics)
     if run_id:
         client.set_tag(parent, f"{stage}.run_id", run_id)
+        _tag_device(client, parent, stage, client.get_run(run_id))
     client.set_tag(parent, f"{stage}.reused", "false")
     client.set_tag(parent, f"{stage}.status", status)
     client.set_terminated(parent, status, end_time=end)

@@ -18,7 +18,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline import pipeline_run
+from pipeline import environment, pipeline_run
 from pipeline.config import ConfigError, Params, flatten
 from pipeline.storage import file_hash
 from pipeline.utils import error_summary
@@ -137,12 +137,13 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     client = MlflowClient(uri)
     pipeline_run.mark_training_experiment(client, experiment)
     base_tags = {**git_info(), "dvc.lock": file_hash("dvc.lock")}
+    listing = environment.packages()
     pid = pipeline_id(params_path)
     start_ms = pipeline_run.process_start_ms()
     parent = _parent_run(client, experiment.experiment_id, pid,
                          {**base_tags, **pipeline_run.experiment_name_tag()}, params, start_ms)
-    all_tags = {**base_tags, **(tags or {}), "stage": stage, "kind": "stage", "pipeline.id": pid,
-                "mlflow.parentRunId": parent}
+    all_tags = {**base_tags, **environment.describe(), **(tags or {}), "stage": stage, "kind": "stage",
+                "pipeline.id": pid, "mlflow.parentRunId": parent}
     previous = None
     if resume_key:
         all_tags["ray.run_name"] = resume_key
@@ -163,6 +164,7 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
             logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage),
                       **(extra_params or {})}
             mlflow.log_params({k: _param_value(v) for k, v in logged.items()})
+            mlflow.log_text(listing, environment.ARTIFACT)
             pipeline_run.log_datasets(client, [run_id, parent], stage)
             try:
                 yield run
@@ -212,3 +214,8 @@ class RunLogger:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         self.client.log_batch(self.run_id, metrics=batch)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])

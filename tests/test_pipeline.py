@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from pipeline import environment
 from tests.conftest import clean_env
 from tests.repo_copy import make_repo, pretrain_runs, run
 
@@ -134,6 +135,9 @@ def test_pipeline_run_is_what_you_compare(repro):
     for stage, child in children.items():  # each stage's wall time: its process, so at least its MLflow run
         assert m[f"{stage}.wall_s"] >= (child.info.end_time - child.info.start_time) / 1000 - 0.01
         assert t[f"{stage}.run_id"] == child.info.run_id and t[f"{stage}.status"] == "FINISHED"
+        # where it computed (pretrain / finetune: as rank 0, a Ray worker, saw it): this machine and venv
+        assert t[f"{stage}.device"] == child.data.tags["env.device"] == environment.describe()["env.device"]
+        assert child.data.tags["env.packages"] == environment.describe()["env.packages"]
     # a real duration: from the first stage's start to the last stage's end
     assert parent.info.status == "FINISHED"
     assert parent.info.start_time <= min(r.info.start_time for r in children.values())

@@ -82,6 +82,24 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
     assert profile["num_samples"] == info["counts"]["test"] and profile["counts_per_split"] == info["counts"]
 
 
+def test_every_stage_run_records_what_it_computed_on(workdir):
+    """``env.*`` tags (device, torch build, Python, host, package digest), the package list as an
+    artifact whose digest is the tag, and ``<stage>.device`` on the pipeline run."""
+    from pipeline import environment
+
+    run_id = _stage("evaluate", load_params("params.yaml"), {"top1": 0.5})
+    client, _, (parent,) = _client_and_parent(workdir)
+    tags = client.get_run(run_id).data.tags
+    here = environment.describe()
+    assert {k: tags[k] for k in here} == here
+    assert here["env.device"].endswith(("AVX-512)", "cores)")) and "(CUDA " in here["env.torch"]
+    listing = Path(client.download_artifacts(run_id, environment.ARTIFACT, str(workdir))).read_text()
+    assert environment.packages_digest(listing) == tags["env.packages"]
+    import torch
+    assert f"torch=={torch.__version__.split('+')[0]}" in listing.splitlines() and "mlflow==" in listing
+    assert parent.data.tags["evaluate.device"] == here["env.device"]
+
+
 def test_a_failed_stage_fails_the_pipeline_run_and_a_rerun_resumes_it(workdir, capsys):
     params = load_params("params.yaml")
     with pytest.raises(RuntimeError):

@@ -235,11 +235,15 @@ def _model(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> torch.nn.Module:
 
 
 def _run_logger(run: LoopRun, ctx: TrainContext):
-    """Rank 0 logs into the stage's MLflow run by id (the driver owns the run)."""
+    """Rank 0 logs into the stage's MLflow run by id (the driver owns the run), and replaces the
+    driver's ``env.*`` tags with its own."""
     if ctx.rank != 0 or not run.run_id:
         return None
+    from pipeline.environment import describe
     from pipeline.tracking import RunLogger
-    return RunLogger(run.tracking_uri, run.run_id)
+    logger = RunLogger(run.tracking_uri, run.run_id)
+    logger.set_tags(describe(ctx.device))  # where the training computes, which may not be the driver's node
+    return logger
 
 
 def _log_epoch(logger, metrics: dict, step: int) -> None:
