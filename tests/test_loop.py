@@ -199,3 +199,22 @@ def test_step_hooks_run_by_name_before_each_step(digits_dir, tmp_path):
     assert log.read_text().split() == ["0:0", "0:1", "0:2"]
     with pytest.raises(ValueError, match="step hook 'tests.nope:fn'"):
         load_step_hooks(["tests.nope:fn"])
+
+
+def test_a_run_short_of_its_end_is_reported_as_diverged():
+    """The driver's reading of the final checkpoint: the last epoch or an early stop is a finished run;
+    anything short of both (or no checkpoint at all) is the loop's divergence stop."""
+    from types import SimpleNamespace
+
+    from pipeline.train.driver import TrainingDiverged, check_finished
+
+    spec = SimpleNamespace(stage="finetune", run_name="finetune-abc", loop=SimpleNamespace(epochs=5))
+    check_finished(spec, {"epoch": 5, "step": 50, "batch_in_epoch": 0, "selection": {"stopped_epoch": None}})
+    check_finished(spec, {"epoch": 3, "step": 30, "batch_in_epoch": 0, "selection": {"stopped_epoch": 3}})
+    with pytest.raises(TrainingDiverged, match=r"finetune run finetune-abc diverged after its last checkpoint "
+                                                r"\(step 20, epoch 2\).*lower finetune\.lr"):  # the end of epoch 2
+        check_finished(spec, {"epoch": 2, "step": 20, "batch_in_epoch": 0, "selection": {"stopped_epoch": None}})
+    with pytest.raises(TrainingDiverged, match=r"\(step 23, epoch 3\)"):  # 3 steps into epoch 3
+        check_finished(spec, {"epoch": 2, "step": 23, "batch_in_epoch": 3, "selection": {"stopped_epoch": None}})
+    with pytest.raises(TrainingDiverged, match="diverged before its first checkpoint"):
+        check_finished(spec, None)

@@ -331,3 +331,32 @@ def test_keep_best_of_raw_and_ema_and_stop_early(tmp_path):
     assert r.data.tags["kept_weights"] == summary["kept_source"] and "keep: best" in r.data.tags["kept_reason"]
     for key in ("kept_epoch", "kept_val_top1", "stopped_epoch", "wall_time_s"):
         assert r.data.metrics[key] == pytest.approx(summary[key]), key
+
+
+def test_a_diverging_run_stops_on_every_rank_and_saves_nothing(tmp_path):
+    """An LR that blows the weights up (NaN by the third step): both Ray ranks stop at the first step
+    whose loss and weights are not finite, without checkpointing it and without Ray retrying the run
+    (``max_failures: 2``); the stage fails in one line naming the last good checkpoint, writes no
+    outputs and marks its MLflow run FAILED."""
+    import re
+
+    def edit(raw):
+        raw = short_run(raw)
+        raw["pretrain"].update(lr=1e4, checkpoint_every_steps=1)
+        raw["ray"].update(max_failures=2)
+        return raw
+
+    repo = make_repo(tmp_path / "repo", edit=edit)
+    assert run(["python", "-m", "stages.shard", "pretrain"], repo).returncode == 0
+    proc = run(["python", "-m", "stages.pretrain"], repo)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    diverged = re.findall(r"\[pretrain\] diverged: the training loss is (\S+) at step (\d+) \(epoch 1\)", proc.stdout)
+    assert len(diverged) == 1, proc.stdout[-3000:]  # rank 0 only, and no second attempt
+    (loss, step), = diverged
+    assert loss in ("nan", "inf", "-inf") and int(step) > 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: TrainingDiverged: pretrain run pretrain-\w+ diverged after its last checkpoint "
+                        rf"\(step {int(step) - 1}, epoch 1\): .* lower pretrain\.lr, .*", last), last
+    assert not (repo / "models/pretrain").exists() and not (repo / "metrics/pretrain.json").exists()
+    _, (r,) = pretrain_runs(repo)
+    assert r.info.status == "FAILED"

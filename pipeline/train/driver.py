@@ -140,6 +140,7 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
             shutil.rmtree(node_staging_dir(spec.run_name), ignore_errors=True)
     if run_dir:
         prune_checkpoints(run_dir, params.ray.checkpoints_to_keep)
+    check_finished(spec, final)
     selection = Selection()
     selection.load_state_dict(final["selection"])
     model.load_state_dict(selection.weights)  # the raw or EMA weights that keep: last|best chose
@@ -148,8 +149,26 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
                        checkpoint_path=str(checkpoint), selection=selection)
 
 
-def _fit_local(spec: RunSpec, run: LoopRun, params: Params, run_dir: str) -> tuple[dict, str]:
-    """The final checkpoint's state and where it is."""
+class TrainingDiverged(ValueError):
+    """The run's loss and weights stopped being finite: it stopped and the stage saves nothing (exit 1)."""
+
+
+def check_finished(spec: RunSpec, final: dict | None) -> None:
+    """A run ends at its last epoch or by early stopping. Short of both (or with no checkpoint at all),
+    its ranks stopped because it diverged; they printed the step and the loss."""
+    if final is not None and (final["epoch"] >= spec.loop.epochs or final["selection"]["stopped_epoch"] is not None):
+        return
+    s = spec.stage
+    where = ("before its first checkpoint" if final is None else  # epochs count from 1, as the epoch lines do
+             f"after its last checkpoint (step {final['step']}, epoch {final['epoch'] + bool(final['batch_in_epoch'])})")
+    raise TrainingDiverged(
+        f"{s} run {spec.run_name} diverged {where}: the loss and the weights are no longer finite, and nothing "
+        f"was saved; lower {s}.lr, lengthen {s}.warmup_epochs, set {s}.grad_clip, or use {s}.amp: bf16 rather "
+        f"than fp16, then run again (changed params start a new run)")
+
+
+def _fit_local(spec: RunSpec, run: LoopRun, params: Params, run_dir: str) -> tuple[dict | None, str | None]:
+    """The final checkpoint's state and where it is (None, None without one)."""
     from pipeline.train.context import LocalContext
     from pipeline.train.worker import run_loop
 
@@ -157,19 +176,17 @@ def _fit_local(spec: RunSpec, run: LoopRun, params: Params, run_dir: str) -> tup
                        resume_from=run.resume_from)
     run_loop(spec.loop, run, ctx)
     checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise RuntimeError(f"[{spec.stage}] run {spec.run_name} finished without a checkpoint in {run_dir}")
-    return load_state(checkpoint), checkpoint
+    return (load_state(checkpoint), checkpoint) if checkpoint else (None, None)
 
 
-def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str, storage_fs) -> tuple[dict, str]:
-    """The final checkpoint's state and where it is."""
+def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str, storage_fs) -> tuple[dict | None, str | None]:
+    """The final checkpoint's state and where it is (None, None without one)."""
     from pipeline.cluster import ray_cluster
 
     with ray_cluster(params.ray):
         result = _ray_trainer(spec, run, params, storage_path, storage_fs).fit()
     if result.checkpoint is None:
-        raise RuntimeError(f"[{spec.stage}] Ray run {spec.run_name} finished without a checkpoint")
+        return None, None
     with result.checkpoint.as_directory() as d:  # a temporary local copy when the storage is remote
         return load_state(d), str(result.checkpoint.path)
 

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import math
 import random
 import time
 from itertools import islice
@@ -203,6 +204,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     for epoch in range(progress.epoch, cfg.epochs):
         t0 = time.time()
         totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, hooks, checkpoint)
+        if totals is None:  # diverged, on every rank alike: the driver finds the run short of its end
+            return
         metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0)
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
             metrics.update(_evaluate(cfg, ctx, stepper, val_loader))
@@ -252,8 +255,9 @@ def _log_epoch(logger, metrics: dict, step: int) -> None:
 
 
 def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress, epoch: int,
-                 logger, hooks: list[StepHook], checkpoint) -> list:
-    """The rest of ``epoch``'s steps; returns [loss sum, correct, samples] summed over all ranks."""
+                 logger, hooks: list[StepHook], checkpoint) -> list | None:
+    """The rest of ``epoch``'s steps; returns [loss sum, correct, samples] summed over all ranks, or None
+    when the training diverged (checked wherever the global loss is on the host, and before a checkpoint)."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
     seen = 0
@@ -267,11 +271,29 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
         correct += step_correct
         seen += labels.numel()
         progress.step, progress.batch_in_epoch = progress.step + 1, b + 1
-        _log_step(cfg, ctx, logger, progress.step, step_loss / labels.numel(), stepper)
+        global_loss = _log_step(cfg, ctx, logger, progress.step, step_loss / labels.numel(), stepper)
         every = cfg.checkpoint_every_steps
-        if every and progress.step % every == 0 and progress.batch_in_epoch < cfg.steps_per_epoch:
+        save = every and progress.step % every == 0 and progress.batch_in_epoch < cfg.steps_per_epoch
+        if save and global_loss is None:
+            global_loss = _all_reduce([step_loss], ctx.device)[0]
+        if global_loss is not None and _diverged(cfg, ctx, stepper, global_loss, progress.step, epoch):
+            return None
+        if save:
             checkpoint({"step": progress.step, "epoch": epoch})
-    return _all_reduce([loss_sum, correct, seen], ctx.device)
+    totals = _all_reduce([loss_sum, correct, seen], ctx.device)
+    return None if _diverged(cfg, ctx, stepper, totals[0], progress.step, epoch) else totals
+
+
+def _diverged(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, loss: float, step: int, epoch: int) -> bool:
+    """The global ``loss`` (the same on every rank) is not finite and neither are the weights, which nothing
+    brings back: stop rather than spend the budget on NaNs and checkpoint them. (A lone overflowed fp16
+    step is not divergence: the grad scaler skips it and the weights stay finite.)"""
+    if math.isfinite(loss) or all(bool(torch.isfinite(p).all()) for p in stepper.model.parameters()):
+        return False
+    if ctx.rank == 0:
+        print(f"[{cfg.stage}] diverged: the training loss is {loss} at step {step} (epoch {epoch + 1}) and the "
+              f"weights are no longer finite; stopping without a checkpoint", flush=True)
+    return True
 
 
 def _epoch_metrics(stepper: Stepper, totals: list, epoch: int, step: int, elapsed: float) -> dict:
@@ -289,14 +311,17 @@ def _evaluate(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, val_loader) 
     return metrics
 
 
-def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss: torch.Tensor, stepper: Stepper) -> None:
+def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss: torch.Tensor,
+              stepper: Stepper) -> float | None:
     """Every ``log_every_steps``: the step's mean loss over the global batch (all ranks join the
-    all-reduce, rank 0 logs). The only host sync inside an epoch."""
+    all-reduce, rank 0 logs), returned; None on other steps. The only host sync inside an epoch
+    (besides a mid-epoch checkpoint's)."""
     if step % cfg.log_every_steps and step != 1:
-        return
+        return None
     global_loss = _all_reduce([loss], ctx.device)[0] / ctx.world_size
     if logger:
         logger.log_metrics({"train_loss_step": global_loss, "lr_step": stepper.scheduler.get_last_lr()[0]}, step=step)
+    return global_loss
 
 
 def _print_epoch(cfg: LoopConfig, metrics: dict, eta: float) -> None:
