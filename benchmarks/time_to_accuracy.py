@@ -14,6 +14,8 @@ data and initial weights), so the same command run again continues an interrupte
 not retrain a finished one. ``--max-minutes`` stops at the first epoch-end checkpoint past the budget
 (every ``checkpoint_every_epochs`` epochs) with exit code 75: run the same command again to continue.
 
+A recipe whose training diverges (loss and weights no longer finite) stops there, exit 2, one line.
+
 The device is the recipe's: ``ray.use_gpu: true`` without CUDA is an error (exit 2), not a silent
 CPU run, since a CPU time answers nothing; ``--set ray.use_gpu=false`` smoke-tests on the CPU.
 """
@@ -25,7 +27,6 @@ STARTED = time.time()  # the command's wall time and --max-minutes count from he
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -37,11 +38,12 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import ConfigError, Params, load_params  # noqa: E402
 from pipeline.data import make_eval_loader, read_dataset_info  # noqa: E402
+from pipeline.environment import device_name  # noqa: E402
 from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.context import local_device  # noqa: E402
 from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noqa: E402
-from pipeline.train.driver import fit  # noqa: E402
+from pipeline.train.driver import TrainingDiverged, fit  # noqa: E402
 from pipeline.train.selection import THRESHOLDS  # noqa: E402
 from pipeline.train.worker import evaluate_split  # noqa: E402
 from pipeline.training import load_finetune_start, model_meta, plan_stage, pretrain_start, stage_summary  # noqa: E402
@@ -87,10 +89,6 @@ def training_device(params: Params) -> torch.device:
         return local_device(params.ray.use_gpu)
     except ValueError as exc:
         raise ConfigError(f"{exc}; this measures a GPU run (--set ray.use_gpu=false to smoke-test on the CPU)") from None
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
 
 
 def stage_shards(args: argparse.Namespace, params: Params, stages: list[str]) -> dict[str, Path]:
@@ -178,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[tta] {device_name(device)}; checkpoints in {args.workdir}", flush=True)
     try:
         report = run(args, params, shards, device, deadline)
-    except ConfigError as exc:
+    except (ConfigError, TrainingDiverged) as exc:
         return fail(exc)
     except DeadlinePassed as exc:
         minutes = (time.time() - STARTED) / 60

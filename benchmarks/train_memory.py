@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.config import TrainConfig  # noqa: E402
+from pipeline.environment import device_name  # noqa: E402
 from pipeline.model import build_vit  # noqa: E402
 from pipeline.train.loop_config import LoopConfig  # noqa: E402
 from pipeline.train.worker import Stepper  # noqa: E402
@@ -120,7 +121,7 @@ def main() -> None:
 
 
 def report(args, device: torch.device, median: dict[bool, tuple[float, int]]) -> None:
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    name = device_name(device)
     print(f"train step of {args.preset}/{args.patch_size} at {args.image_size} px on {name}: batch {args.batch}, "
           f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}, {args.steps} steps x {args.rounds} rounds, median")
     (speed_off, mem_off), (speed_on, mem_on) = median[False], median[True]

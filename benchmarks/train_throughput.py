@@ -33,6 +33,7 @@ from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import ConfigError, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
 from pipeline.data.loader import PREFETCH  # noqa: E402
+from pipeline.environment import device_name  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.loop_config import LoopConfig  # noqa: E402
@@ -148,7 +149,7 @@ def main() -> None:
 
 def report(args, params, loop: LoopConfig, device, median: dict[str, float], peak_memory: int,
            flops: float) -> None:
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    name = device_name(device)
     alone, fed = median["model"], median["loop"]
     print(f"\n{args.stage} of {args.recipe or args.params} on {name}: {params.model.preset} "
           f"(patch {params.model.patch_size}, {loop.image_size} px), batch {loop.per_worker_batch}, amp {loop.amp}, "

@@ -49,13 +49,26 @@ def _dataset_tag(name: str) -> str:
     return f"{name}-{source}@{storage.file_hash(storage.join(shard_dir, 'manifest.parquet'))[:10]}"
 
 
-def version_tags(run, meta: dict[str, Any], test: dict[str, float]) -> dict[str, str]:
-    """The tags of the version that the export stage's ``run`` registered from a model with ``meta``."""
+def trained_on(client, model_run_id: str) -> str | None:
+    """What the run that trained the model computed on (its ``env.device``), when that run is in this store."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(model_run_id).data.tags.get("env.device") if model_run_id else None
+    except MlflowException:  # another store's run, or a deleted one
+        return None
+
+
+def version_tags(run, meta: dict[str, Any], test: dict[str, float], device: str | None = None) -> dict[str, str]:
+    """The tags of the version that the export stage's ``run`` registered from a model with ``meta``,
+    trained on ``device``."""
     tags = run.data.tags  # in the order the registry's version list shows them: what tells versions apart first
     out = {k: f"{v:.4f}" for k, v in test.items()}
     out.update(pipeline_run.experiment_name_tag())
     out["data.finetune"] = _dataset_tag("finetune")
     out["image_size"], out["patch_size"] = str(meta["image_size"]), str(meta["model"]["patch_size"][0])
+    if device:
+        out["trained_on"] = device
     out.update({k: tags[k] for k in ("git.commit", "git.dirty") if k in tags})
     out["pipeline.run_id"] = tags["mlflow.parentRunId"]
     out.update(model_run_tag(meta))
@@ -69,14 +82,15 @@ def describe(tags: dict[str, str], pipeline_name: str) -> str:
     exp = f", DVC experiment {tags['dvc.exp_name']}" if "dvc.exp_name" in tags else ""
     test = (f"test top-1 {float(tags['test_top1']):.2%} on {tags['data.finetune']}" if "test_top1" in tags
             else "not evaluated when registered (the pipeline run has the test metrics once evaluate ends)")
+    device = f", trained on {tags['trained_on']}" if "trained_on" in tags else ""
     return (f"Pipeline run {pipeline_name} ({tags['pipeline.run_id']}){exp}, commit {commit}; "
-            f"{tags['image_size']} px, patch {tags['patch_size']}; {test}.")
+            f"{tags['image_size']} px, patch {tags['patch_size']}{device}; {test}.")
 
 
 def record_version(client, run, name: str, version: int, meta: dict[str, Any]) -> dict[str, str]:
     """Tag and describe version ``version`` of ``name``, and name it on the pipeline run; returns the tags."""
     test = evaluation_of(client, run.info.experiment_id, meta.get("mlflow_run_id", ""))
-    tags = version_tags(run, meta, test)
+    tags = version_tags(run, meta, test, trained_on(client, meta.get("mlflow_run_id", "")))
     for k, v in tags.items():
         client.set_model_version_tag(name, str(version), k, v)
     parent = client.get_run(tags["pipeline.run_id"])

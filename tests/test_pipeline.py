@@ -152,6 +152,7 @@ def test_pipeline_run_is_what_you_compare(repro):
     assert version.tags["pipeline.run_id"] == parent.info.run_id and version.tags["git.commit"] == commit
     assert version.tags["finetune.run_id"] == children["finetune"].info.run_id \
         == children["evaluate"].data.tags["finetune.run_id"]
+    assert version.tags["trained_on"] == children["finetune"].data.tags["env.device"]  # as rank 0 saw it
     assert version.tags["test_top1"] == f"{ev['top1']:.4f}" and f"{ev['top1']:.2%}" in version.description
     # the shards as dataset inputs: name, digest from the manifest, source, counts, context
     manifests = {n: hashlib.sha256((repo / f"data/shards/{n}/manifest.parquet").read_bytes()).hexdigest()[:10]

@@ -174,8 +174,10 @@ def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, mo
         "pipeline.run_id": parent.info.run_id, "dvc.exp_name": "p8-r48", "finetune.run_id": trained.info.run_id,
         "data.finetune": f"finetune-digits@{manifest}", "image_size": "48", "patch_size": "8",
         "test_top1": "0.8750", "test_top5": "1.0000"}
+    device = trained.data.tags["env.device"]  # the fine-tune run's, which trained the weights
+    assert tags["trained_on"] == device
     assert got.description == (f"Pipeline run p8-r48 ({parent.info.run_id}), DVC experiment p8-r48, commit unknown; "
-                               f"48 px, patch 8; test top-1 87.50% on finetune-digits@{manifest}.")
+                               f"48 px, patch 8, trained on {device}; test top-1 87.50% on finetune-digits@{manifest}.")
     assert client.get_run(parent.info.run_id).data.tags["registered_model"] == f"models:/vit-pipeline/{version}"
     (found,) = client.search_model_versions("tags.`dvc.exp_name` = 'p8-r48'")  # the README's search
     assert found.version == got.version
@@ -184,7 +186,7 @@ def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, mo
     with stage_run("export", params, tags=model_run_tag(meta)) as run:
         version = _register(client, run)
         tags = record_version(client, run, "vit-pipeline", version, meta)
-    assert "test_top1" not in tags and tags["finetune.run_id"] == "never-evaluated"
+    assert "test_top1" not in tags and tags["finetune.run_id"] == "never-evaluated" and "trained_on" not in tags
     assert client.get_model_version("vit-pipeline", str(version)).description.endswith(
         "not evaluated when registered (the pipeline run has the test metrics once evaluate ends).")
 

@@ -82,6 +82,14 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
                         (no_gpu, "ray.use_gpu: true")):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
         assert proc.stderr.startswith("error: ") and names in proc.stderr and proc.stderr.count("\n") == 1
+    # a recipe that diverges: the local runner stops at the first non-finite step, the driver says so
+    diverged = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                                 "--set", "pretrain.lr=10000", "--set", "pretrain.warmup_epochs=0",
+                                 "--set", "model.depth=1")
+    assert diverged.returncode == 2 and diverged.stderr.count("\n") == 1, diverged.stderr[-3000:]
+    assert re.search(r"^error: pretrain run pretrain-\w+ diverged (before its first|after its last) checkpoint",
+                     diverged.stderr)
+    assert re.search(r"\[pretrain\] diverged: the training loss is \S+ at step \d+ \(epoch 1\)", diverged.stdout)
 
 
 def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
