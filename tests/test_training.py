@@ -229,7 +229,7 @@ def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
     in-process, which the next test shows equal to a 1-worker Ray run)."""
     from mlflow.tracking import MlflowClient
 
-    losses = {}
+    losses, grad_norms = {}, {}
     for workers in (1, 2):
         def edit(raw, workers=workers):
             raw = short_run(raw)
@@ -250,8 +250,11 @@ def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
         assert r.data.params["pretrain.grad_checkpointing"] == str(workers == 2)
         history = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "train_loss_step")}
         losses[workers] = history
+        grad_norms[workers] = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "grad_norm_step")}
     assert losses[1][1] == pytest.approx(losses[2][1], rel=1e-5, abs=1e-6)
     assert losses[1][2] == pytest.approx(losses[2][2], rel=1e-3)  # after one identical update
+    # the gradient of the same global batch, whole on one rank or all-reduced over two (before clipping)
+    assert grad_norms[1][1] == pytest.approx(grad_norms[2][1], rel=1e-4) and grad_norms[1][1] > 0
 
 
 def test_local_runner_and_one_ray_worker_agree_and_resume_each_other(tmp_path_factory, tmp_path, monkeypatch):

@@ -77,6 +77,7 @@ class Stepper:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         self.ema = make_ema(unwrap(model), cfg.ema_decay, cfg.ema_warmup)
         self.mixer = batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, cfg.model["num_classes"])
+        self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping (with grad_clip set)
 
     def objects(self) -> dict:
         """Everything a checkpoint must hold to continue exactly."""
@@ -102,7 +103,7 @@ class Stepper:
             correct += (logits.detach().argmax(-1) == labels[sl]).sum()
         if self.cfg.grad_clip:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -320,7 +321,10 @@ def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss: torch
         return None
     global_loss = _all_reduce([loss], ctx.device)[0] / ctx.world_size
     if logger:
-        logger.log_metrics({"train_loss_step": global_loss, "lr_step": stepper.scheduler.get_last_lr()[0]}, step=step)
+        metrics = {"train_loss_step": global_loss, "lr_step": stepper.scheduler.get_last_lr()[0]}
+        if stepper.grad_norm is not None:  # after DDP's all-reduce: the same on every rank
+            metrics["grad_norm_step"] = stepper.grad_norm.item()
+        logger.log_metrics(metrics, step=step)
     return global_loss
 
 
