@@ -151,7 +151,8 @@ def evaluate(params: Params) -> dict:
         mlflow.log_metrics({f"top1_at_{r}px": v for r, v in metrics["resolution_sweep"].items()})
         for path in OUTPUTS:
             mlflow.log_artifact(str(path))
-    print(f"[evaluate] test top-1 {metrics['top1']:.4f}, top-5 {metrics['top5']:.4f}, loss {metrics['loss']:.4f} "
+    print(f"[evaluate] test top-1 {metrics['top1']:.4f}, top-5 {metrics['top5']:.4f}, loss {metrics['loss']:.4f}, "
+          f"ECE {metrics['ece']:.4f} "
           f"on {metrics['num_samples']} images ({world_size(params.ray)} workers); top-1 by resolution "
           f"{ {r: round(v, 4) for r, v in metrics['resolution_sweep'].items()} }; pictures in {PLOTS}/", flush=True)
     return metrics

@@ -7,12 +7,25 @@ import torch.nn.functional as F
 
 
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Top-1, top-5 (top-k for fewer classes), mean cross-entropy, sample count."""
+    """Top-1, top-5 (top-k for fewer classes), mean cross-entropy, calibration error, sample count."""
     k = min(5, logits.shape[1])
     topk = logits.topk(k, dim=1).indices
     return {"top1": (topk[:, 0] == labels).float().mean().item(),
             "top5": (topk == labels[:, None]).any(1).float().mean().item(),
-            "loss": F.cross_entropy(logits, labels).item(), "num_samples": int(labels.numel())}
+            "loss": F.cross_entropy(logits, labels).item(), "ece": expected_calibration_error(logits, labels),
+            "num_samples": int(labels.numel())}
+
+
+def expected_calibration_error(logits: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> float:
+    """Top-label ECE (Guo et al., 2017): the predictions binned by confidence (``bins`` equal widths
+    over (0, 1]), |accuracy - mean confidence| per bin, weighted by the bin's share of samples.
+    0 is perfectly calibrated; label smoothing, mixup and EMA all move it, which top-1 does not show."""
+    confidence, predicted = logits.float().softmax(1).max(1)
+    correct = (predicted == labels).float()
+    which = (confidence * bins).ceil().clamp(1, bins).long() - 1  # bin b holds (b/bins, (b+1)/bins]
+    count = torch.bincount(which, minlength=bins).float()
+    gap = (torch.bincount(which, correct, minlength=bins) - torch.bincount(which, confidence, minlength=bins)).abs()
+    return (gap.sum() / count.sum()).item()
 
 
 def confusion_matrix(preds: torch.Tensor, labels: torch.Tensor, num_classes: int) -> np.ndarray:

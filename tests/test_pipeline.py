@@ -127,6 +127,7 @@ def test_pipeline_run_is_what_you_compare(repro):
         "data.finetune.source": "digits"}
     ev = json.loads((repo / "metrics/evaluate.json").read_text())
     assert m["test_top1"] == pytest.approx(ev["top1"]) and m["test_top5"] == pytest.approx(ev["top5"])
+    assert m["test_ece"] == pytest.approx(ev["ece"]) and 0 <= ev["ece"] <= 1
     assert m["macro_f1"] == pytest.approx(ev["macro_f1"])
     assert {k: m[f"top1_at_{k}px"] for k in ("24", "32")} == pytest.approx(ev["resolution_sweep"])
     assert m["export.passed"] == 1.0 and m["export.onnx.top1_agreement"] == 1.0

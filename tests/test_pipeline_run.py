@@ -48,7 +48,7 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
     params = load_params("params.yaml", {"finetune.interpolation.mode": "bilinear"})
     # finetune "did not run" (DVC found it up to date): its metrics file is there from before
     (workdir / "metrics/finetune.json").write_text(json.dumps({"val_top1": 0.75, "kept_epoch": 3}))
-    ev = _stage("evaluate", params, {"top1": 0.5, "top5": 0.9, "loss": 1.2, "macro_f1": 0.45,
+    ev = _stage("evaluate", params, {"top1": 0.5, "top5": 0.9, "loss": 1.2, "ece": 0.05, "macro_f1": 0.45,
                                      "resolution_sweep": {"24": 0.25, "32": 0.5}})
     ex = _stage("export", params, {"passed": True, "formats": {"onnx": {"max_abs_diff": 1e-6,
                                                                            "top1_agreement": 1.0}}})
@@ -63,7 +63,7 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
     p, m, t = parent.data.params, parent.data.metrics, parent.data.tags
     assert p["finetune.interpolation.mode"] == "bilinear" and p["model.preset"] == "nano"
     assert p["world_size"] == "2" and p["finetune.init"] == "models/pretrain" and "mlflow.experiment" not in p
-    assert m["test_top1"] == 0.5 and m["top1_at_24px"] == 0.25 and m["export.passed"] == 1.0
+    assert m["test_top1"] == 0.5 and m["test_ece"] == 0.05 and m["top1_at_24px"] == 0.25 and m["export.passed"] == 1.0
     assert m["export.onnx.max_abs_diff"] == 1e-6 and m["macro_f1"] == 0.45
     assert m["finetune.val_top1"] == 0.75 and t["finetune.reused"] == "true"  # filled in from its output
     assert "pretrain.val_top1" not in m  # no metrics/pretrain.json: nothing made up
