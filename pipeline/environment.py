@@ -55,13 +55,14 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
-def describe(device: torch.device | None = None) -> dict[str, str]:
-    """The ``env.*`` tags of a process computing on ``device`` (default: the CPU)."""
+def describe(device: torch.device | None = None, listing: str | None = None) -> dict[str, str]:
+    """The ``env.*`` tags of a process computing on ``device`` (default: the CPU); ``listing`` is
+    :func:`packages` when the caller has it already (reading it walks every installed distribution)."""
     device = device or torch.device("cpu")
     return {
         "env.device": device_name(device),
         "env.torch": f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})",
         "env.python": platform.python_version(),
         "env.host": socket.gethostname(),
-        "env.packages": packages_digest(packages()),
+        "env.packages": packages_digest(packages() if listing is None else listing),
     }

@@ -142,7 +142,7 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     start_ms = pipeline_run.process_start_ms()
     parent = _parent_run(client, experiment.experiment_id, pid,
                          {**base_tags, **pipeline_run.experiment_name_tag()}, params, start_ms)
-    all_tags = {**base_tags, **environment.describe(), **(tags or {}), "stage": stage, "kind": "stage",
+    all_tags = {**base_tags, **environment.describe(listing=listing), **(tags or {}), "stage": stage, "kind": "stage",
                 "pipeline.id": pid, "mlflow.parentRunId": parent}
     previous = None
     if resume_key:
