@@ -36,6 +36,8 @@ def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
 def init_ray(ray_cfg: RayConfig) -> None:
     """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS``, or start a quiet local one; either
     way make sure it can hold ``ray.num_workers`` ranks before anything is submitted."""
+    if not ray_cfg.verbose:  # rank 0's epoch lines without "(RayTrainWorker pid=…)"; read as Ray is imported
+        os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
     import ray
 
     if ray.is_initialized():
@@ -44,7 +46,7 @@ def init_ray(ray_cfg: RayConfig) -> None:
     for k, v in quiet.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault(REPORT_POLL_VAR, REPORT_POLL_S)
-    if not sys.stdout.isatty():  # a log file or CI: the "(RayTrainWorker pid=…)" prefix without colour codes
+    if not sys.stdout.isatty():  # a log file or CI: a prefix (ray.verbose) without colour codes
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     address = cluster_address(ray_cfg)
     if not address:  # one machine, no preemptible nodes: Ray Train's preemption watcher only adds a log line

@@ -37,7 +37,7 @@ def evaluation_of(client, experiment_id: str, model_run_id: str) -> dict[str, fl
                                f"'{model_run_id}' and attributes.status = 'FINISHED'",
                                order_by=["attributes.end_time DESC"], max_results=1)
     metrics = found[0].data.metrics if found else {}
-    return {f"test_{k}": metrics[k] for k in ("top1", "top5", "loss") if k in metrics}
+    return {f"test_{k}": metrics[k] for k in ("top1", "top5", "loss", "ece") if k in metrics}
 
 
 def _dataset_tag(name: str) -> str:

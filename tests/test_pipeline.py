@@ -155,6 +155,7 @@ def test_pipeline_run_is_what_you_compare(repro):
         == children["evaluate"].data.tags["finetune.run_id"]
     assert version.tags["trained_on"] == children["finetune"].data.tags["env.device"]  # as rank 0 saw it
     assert version.tags["test_top1"] == f"{ev['top1']:.4f}" and f"{ev['top1']:.2%}" in version.description
+    assert version.tags["test_ece"] == f"{ev['ece']:.4f}"
     # the shards as dataset inputs: name, digest from the manifest, source, counts, context
     manifests = {n: hashlib.sha256((repo / f"data/shards/{n}/manifest.parquet").read_bytes()).hexdigest()[:10]
                  for n in ("pretrain", "finetune")}

@@ -161,7 +161,7 @@ def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, mo
     meta = {"mlflow_run_id": trained.info.run_id, "image_size": 48, "model": {"patch_size": [8, 8]}}
     for model_tags, top1 in ((model_run_tag(meta), 0.875), ({"finetune.run_id": "another-model"}, 0.25)):
         with stage_run("evaluate", params, tags=model_tags):
-            mlflow.log_metrics({"top1": top1, "top5": 1.0, "loss": 0.5})
+            mlflow.log_metrics({"top1": top1, "top5": 1.0, "loss": 0.5, "ece": 0.0625})
     client, _, (parent,) = _client_and_parent(workdir)
     with stage_run("export", params, tags=model_run_tag(meta)) as run:
         version = _register(client, run)
@@ -170,10 +170,10 @@ def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, mo
     manifest = hashlib.sha256((workdir / "data/shards/finetune/manifest.parquet").read_bytes()).hexdigest()[:10]
     assert got.tags == tags
     assert {k: tags[k] for k in ("pipeline.run_id", "dvc.exp_name", "finetune.run_id", "data.finetune",
-                                 "image_size", "patch_size", "test_top1", "test_top5")} == {
+                                 "image_size", "patch_size", "test_top1", "test_top5", "test_ece")} == {
         "pipeline.run_id": parent.info.run_id, "dvc.exp_name": "p8-r48", "finetune.run_id": trained.info.run_id,
         "data.finetune": f"finetune-digits@{manifest}", "image_size": "48", "patch_size": "8",
-        "test_top1": "0.8750", "test_top5": "1.0000"}
+        "test_top1": "0.8750", "test_top5": "1.0000", "test_ece": "0.0625"}
     device = trained.data.tags["env.device"]  # the fine-tune run's, which trained the weights
     assert tags["trained_on"] == device
     assert got.description == (f"Pipeline run p8-r48 ({parent.info.run_id}), DVC experiment p8-r48, commit unknown; "

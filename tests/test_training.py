@@ -85,6 +85,17 @@ def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, t
     artifacts = {a.path for a in client.list_artifacts(new.info.run_id)}
     assert {"pretrain.json", "pretrain_history.csv", "pretrain_curves.png", "config.json"} <= artifacts
 
+    # 4. Reproducible to the byte: the same params trained again from scratch, with no failure, give
+    #    exactly the weights of the run that lost a worker mid-epoch and resumed (data order,
+    #    augmentation and every rank's RNG state come back with the checkpoint).
+    recovered = (repo / "models/pretrain/model.safetensors").read_bytes()
+    shutil.rmtree(repo / ".ray_results" / new.data.tags["ray.run_name"])
+    proc = run(["python", "-m", "stages.pretrain"], repo)  # fault-b's marker exists: no failure now
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()  # rank 0's lines as it printed them: no "(RayTrainWorker pid=…)"
+    assert "resumed" not in proc.stdout and any(line.startswith("[pretrain] epoch 2/2 ") for line in lines)
+    assert (repo / "models/pretrain/model.safetensors").read_bytes() == recovered
+
 
 def _plant_checkpoints(repo) -> Path:
     (run_dir,) = [d for d in (repo / ".ray_results").iterdir() if d.name.startswith("pretrain-")]
