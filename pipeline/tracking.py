@@ -161,9 +161,7 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
             run_id = run.info.run_id
             if previous:
                 mlflow.set_tags(all_tags)
-            logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage),
-                      **(extra_params or {})}
-            mlflow.log_params({k: _param_value(v) for k, v in logged.items()})
+            mlflow.log_params(stage_params(stage, params, extra_params))
             mlflow.log_text(listing, environment.ARTIFACT)
             pipeline_run.log_datasets(client, [run_id, parent], stage)
             try:
@@ -190,6 +188,12 @@ def _finish_parent(client, experiment_id: str, parent: str, pid: str, stage: str
         import sys
 
         print(f"[{stage}] warning: could not update the pipeline run {parent}: {exc}", file=sys.stderr, flush=True)
+
+
+def stage_params(stage: str, params: Params, extra_params: dict[str, Any] | None = None) -> dict[str, str]:
+    """The params a stage's MLflow run logs: the model section, the stage's own section and ``extra_params``."""
+    logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage), **(extra_params or {})}
+    return {k: _param_value(v) for k, v in logged.items()}
 
 
 def _param_value(v: Any) -> str:

@@ -18,7 +18,7 @@ from pipeline.model.io import read_model_file
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_history
 from pipeline import storage
-from pipeline.tracking import stage_run
+from pipeline.tracking import stage_params, stage_run
 from pipeline.cluster import world_size
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
@@ -33,23 +33,33 @@ def _extra_params(params: Params, recipe: TrainConfig, model: VisionTransformer,
             "num_classes": len(info["classes"])}
 
 
+def run_params(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer, info: dict) -> dict:
+    """What a training stage's MLflow run logs beside the model and stage sections."""
+    extra = _extra_params(params, recipe, model, info)
+    return {**extra, **finetune_extra_params(params)} if stage == "finetune" else extra
+
+
 def plan_stage(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer, shard_dir: str | Path,
                info: dict) -> tuple[TrainConfig, RunSpec]:
-    """The stage's recipe with the dataset's mean/std filled in ("dataset" -> numbers) and its run."""
+    """The stage's recipe with the dataset's mean/std filled in ("dataset" -> numbers) and its run, whose
+    name covers every param its MLflow run logs: a resumed MLflow run cannot change a param, so a value
+    that changes nothing computed (``finetune.init_source`` with ``init: null``) is still another run."""
+    logged = stage_params(stage, params, run_params(stage, params, recipe, model, info))
     recipe = dataclasses.replace(recipe, augment=with_dataset_stats(recipe.augment, info))
-    return recipe, prepare_run(stage, params, recipe, model, str(shard_dir))
+    return recipe, prepare_run(stage, params, recipe, model, str(shard_dir), logged=logged)
 
 
 def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
-                    shard_dir: str | Path, info: dict, extra: dict) -> dict:
+                    shard_dir: str | Path, info: dict) -> dict:
     import mlflow  # here, not at the top: benchmarks/time_to_accuracy.py imports this module without MLflow
 
     tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")), "dataset.source": info["source"]}
+    extra = run_params(stage, params, recipe, model, info)
     recipe, spec = plan_stage(stage, params, recipe, model, shard_dir, info)
     model_dir, metrics_file = MODELS / stage, METRICS / f"{stage}.json"
     history_csv, curves_png = PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png"
     with staged_outputs(model_dir, metrics_file, history_csv, curves_png) as out, \
-            stage_run(stage, params, extra_params={**_extra_params(params, recipe, model, info), **extra},
+            stage_run(stage, params, extra_params=extra,
                       tags=tags, resume_key=spec.run_name, system_metrics=True) as run:
         result = fit(spec, params, model, run_id=run.info.run_id)
         summary = stage_summary(result)
@@ -88,7 +98,7 @@ def pretrain(params: Params) -> dict:
     shard_dir = storage.shard_dir("pretrain")
     info = read_dataset_info(shard_dir)
     model = pretrain_start(params, len(info["classes"]))
-    return _train_and_save("pretrain", params, params.pretrain, model, shard_dir, info, {})
+    return _train_and_save("pretrain", params, params.pretrain, model, shard_dir, info)
 
 
 def pretrain_start(params: Params, num_classes: int) -> VisionTransformer:
@@ -156,7 +166,7 @@ def finetune(params: Params) -> dict:
     shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)
     model = load_finetune_start(params, len(info["classes"]))
-    return _train_and_save("finetune", params, params.finetune, model, shard_dir, info, finetune_extra_params(params))
+    return _train_and_save("finetune", params, params.finetune, model, shard_dir, info)
 
 
 def finetune_extra_params(params: Params) -> dict:

@@ -219,3 +219,28 @@ def test_a_run_short_of_its_end_is_reported_as_diverged():
         check_finished(spec, {"epoch": 2, "step": 23, "batch_in_epoch": 3, "selection": {"stopped_epoch": None}})
     with pytest.raises(TrainingDiverged, match="diverged before its first checkpoint"):
         check_finished(spec, None)
+
+
+def test_run_name_covers_every_param_the_run_logs(digits_dir):
+    """A resumed MLflow run cannot change a param, so the Ray run name (which picks the run to resume)
+    changes with every logged param, even one that changes nothing computed; not with ``ray.loader_workers``."""
+    from pathlib import Path
+
+    from pipeline.config import load_params
+    from pipeline.data import read_dataset_info
+    from pipeline.training import plan_stage
+
+    info = read_dataset_info(digits_dir)
+    root = Path(__file__).resolve().parents[1]
+
+    def run_name(**overrides):
+        params = load_params(root / "params.yaml", overrides)
+        torch.manual_seed(0)  # the same initial weights each time
+        model = build_vit("nano", patch_size=4, image_size=32, num_classes=10)
+        return plan_stage("finetune", params, params.finetune, model, digits_dir, info)[1].run_name
+
+    base = run_name()
+    assert run_name() == base and run_name(**{"ray.loader_workers": 3}) == base
+    # init: null loads models/pretrain whatever the layout says; 1.01 epochs round to the same warm-up steps
+    for key, value in (("finetune.init_source", "timm"), ("finetune.warmup_epochs", 1.01)):
+        assert run_name(**{key: value}) != base, key

@@ -30,11 +30,11 @@ pytestmark = pytest.mark.slow
 
 
 def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
-    """Two fine-tune runs exactly as the stage names its params: stage_run + _extra_params + RunLogger."""
+    """Two fine-tune runs exactly as the stage names its params: stage_run + run_params + RunLogger."""
     from pipeline.config import load_params
     from pipeline.model import build_vit
     from pipeline.tracking import RunLogger, stage_run
-    from pipeline.training import _extra_params, finetune_extra_params
+    from pipeline.training import run_params
 
     ids = []
     for name, overrides, curve in RUNS:
@@ -46,7 +46,7 @@ def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
                           num_classes=10, pool=params.model.pool, **params.model.overrides())
         info = {"source": "digits", "classes": [str(i) for i in range(10)]}
         # exactly what pipeline.training.finetune logs
-        extra = {**_extra_params(params, ft, model, info), **finetune_extra_params(params)}
+        extra = run_params("finetune", params, ft, model, info)
         with stage_run("finetune", params, extra_params=extra, tags={"run_name": name},
                        params_path=str(params_path)) as run:
             logger = RunLogger(tracking_uri, run.info.run_id)

@@ -79,8 +79,9 @@ def check_batch_fits(stage: str, global_batch: int, train_images: int, shard_dir
 
 
 def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
-                shard_dir: str) -> RunSpec:
-    """Everything the ranks need, and the run name that identifies this exact run."""
+                shard_dir: str, logged: dict[str, str] | None = None) -> RunSpec:
+    """Everything the ranks need, and the run name that identifies this exact run (and the params
+    ``logged`` for it, which its tracking run cannot change once they are recorded)."""
     info = read_dataset_info(shard_dir)
     check_shard_files(shard_dir, info)
     world = world_size(params.ray)
@@ -95,7 +96,7 @@ def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTr
         verbose=params.ray.verbose)
     # the backend is not part of the identity: a local run and a 1-worker Ray run continue each other
     identity = {**loop.identity(), "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
-                "init": _state_digest(state)}
+                "init": _state_digest(state), "logged": logged or {}}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     return RunSpec(stage=stage, run_name=f"{stage}-{digest[:12]}", loop=loop, init_state=state)
 
