@@ -4,7 +4,9 @@ Loader workers ship uint8 batches (already cropped and flipped) plus this module
 draws; the device then runs RandAugment / TrivialAugmentWide, normalisation and random erasing
 for the whole batch at once, which is what keeps the CPU workers from being the bottleneck.
 The ops copy torchvision v2's uint8 kernels (same ranges, rounding and clamping), applied per
-sample: each sample's result depends on its own seed only, not on the batch around it.
+sample: each sample's result depends on its own seed only, not on the batch around it. Each op runs
+on the samples that drew it only, grouped from the draws on the host, so the device does one op's
+work per sample and slot (not all 14) and never waits on the host to learn a group's size.
 """
 from __future__ import annotations
 
@@ -61,6 +63,15 @@ def _draw_erase(rng: random.Random, p: float, height: int, width: int) -> list[i
     return [0, 0, 0, 0]  # torchvision gives up after 10 tries and leaves the image as is
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without stalling the host: pinned, then copied asynchronously."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def _col(v: torch.Tensor) -> torch.Tensor:
     """Per-sample values [n] -> [n, 1, 1, 1], to broadcast over an image batch."""
     return v.view(-1, 1, 1, 1)
@@ -88,7 +99,7 @@ def _sharpness(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def _posterize(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    bits = m.to(torch.int32).clamp(0, 8)  # clamp: other ops' magnitudes pass through here on CUDA
+    bits = m.to(torch.int32).clamp(0, 8)
     return x & _col(256 - torch.pow(2, 8 - bits)).to(torch.uint8)
 
 
@@ -158,8 +169,6 @@ class DeviceAugment:
     auto-augment nor erasing it is exactly ``BatchFinish``'s normalisation.
     """
 
-    subset_devices = ("cpu",)  # device types where an op runs on its samples only (see _on_samples)
-
     def __init__(self, augment: Optional[dict]):
         cfg = resolve_augment(augment)
         self.auto_augment, self.erase_p = cfg["auto_augment"], float(cfg["random_erasing"])
@@ -198,39 +207,42 @@ class DeviceAugment:
         return out
 
     def __call__(self, images: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """uint8 [B, 3, H, W] and :meth:`draw`'s params (same device) -> float32, normalised."""
+        """uint8 [B, 3, H, W] and :meth:`draw`'s params as drawn, on the host (pinned where the loader
+        pins them; copied here) -> float32, normalised."""
         if "op" in params:
             images = self.auto_augment_batch(images, params["op"], params["magnitude"])
         x = self.normalize(images)
         if "erase" in params:
-            top, left, h, w = (_col(v) for v in params["erase"].unbind(1))
+            top, left, h, w = (_col(v) for v in _to_device(params["erase"], x.device).unbind(1))
             rows = torch.arange(x.shape[-2], device=x.device).view(1, 1, -1, 1)
             cols = torch.arange(x.shape[-1], device=x.device).view(1, 1, 1, -1)
             x.masked_fill_((rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w), 0.0)
         return x
 
     def auto_augment_batch(self, x: torch.Tensor, op: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
-        """uint8 -> uint8: per slot, one warp for the samples with a geometric op, then each colour
-        op on the samples that drew it."""
+        """uint8 -> uint8: per slot, one warp for the samples that drew a geometric op, then each colour
+        op on the samples that drew it. ``op`` [B, S] is read on the host: sorted there, it gives each
+        op's samples as a slice of one index tensor, whose bounds the host knows."""
         if x.dtype != torch.uint8:
             raise TypeError(f"auto-augment works on uint8 images (as torchvision's), got {x.dtype}")
-        x = x.clone()  # written in place on CPU (see _on_samples), the caller's batch stays
-        for s in range(op.shape[1]):
-            o, m = op[:, s], magnitude[:, s]
-            theta = _inverse_affine(o, m, *x.shape[-2:])
-            geometric = (o >= OPS.index(GEOMETRIC[0])) & (o <= OPS.index(GEOMETRIC[-1]))
-            x = self._on_samples(x, geometric, lambda y, t: _warp(y, t, self.mode), theta)
-            for name, fn in COLOUR_OPS.items():
-                x = self._on_samples(x, o == OPS.index(name), fn, m)
-        return x
+        op = op.cpu().T.contiguous()  # [S, B], on the host (as drawn, it is there already)
+        order = _to_device(op.argsort(dim=1, stable=True), x.device)  # per slot: the samples grouped by op
+        op_on, magnitude = _to_device(op, x.device), _to_device(magnitude.T.contiguous(), x.device)
+        x = x.clone()  # written in place: the caller's batch stays
+        first_geo, last_geo = OPS.index(GEOMETRIC[0]), OPS.index(GEOMETRIC[-1])
+        for s in range(len(op)):
+            ends = torch.bincount(op[s], minlength=len(OPS)).cumsum(0).tolist()
 
-    def _on_samples(self, x: torch.Tensor, sel: torch.Tensor, fn: Callable, arg: torch.Tensor) -> torch.Tensor:
-        """``fn(x, arg)`` for the samples where ``sel``, the others' pixels untouched. On CPU only
-        those samples are computed; elsewhere all are and ``where`` keeps the right ones, because
-        selecting a data-dependent subset would stall the host on every op (a device sync)."""
-        if x.device.type not in self.subset_devices:
-            return torch.where(_col(sel), fn(x, arg), x)
-        idx = sel.nonzero().squeeze(1)
-        if idx.numel() == 0:
-            return x
-        return x.index_copy_(0, idx, fn(x[idx], arg[idx]))
+            def samples(first: int, last: int) -> torch.Tensor:
+                """The samples whose op in this slot is one of OPS[first..last]."""
+                return order[s, ends[first - 1] if first else 0:ends[last]]
+
+            idx = samples(first_geo, last_geo)
+            if len(idx):
+                theta = _inverse_affine(op_on[s].index_select(0, idx), magnitude[s].index_select(0, idx), *x.shape[-2:])
+                x.index_copy_(0, idx, _warp(x.index_select(0, idx), theta, self.mode))
+            for name, fn in COLOUR_OPS.items():
+                idx = samples(OPS.index(name), OPS.index(name))
+                if len(idx):
+                    x.index_copy_(0, idx, fn(x.index_select(0, idx), magnitude[s].index_select(0, idx)))
+        return x

@@ -232,9 +232,8 @@ def _on_device(batches: Iterator[TrainBatch], augment: DeviceAugment, device: to
             batch = TrainBatch(batch.images.pin_memory(), batch.labels.pin_memory(),
                                {k: v.pin_memory() for k, v in batch.params.items()}, batch.keys)
         x = batch.images.to(device, non_blocking=cuda)
-        params = {k: v.to(device, non_blocking=cuda) for k, v in batch.params.items()}
         y = batch.labels.to(device, non_blocking=cuda)
-        x = augment(x, params)
+        x = augment(x, batch.params)  # the draws stay on the host: it groups the samples by op there
         yield (x, y, batch.keys) if return_keys else (x, y)
 
 
