@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +161,48 @@ def test_cifar_extraction_is_all_or_nothing(tmp_path):
     assert files(dest) == files(tmp_path / "c10") and len(files(dest)) > 40
     tarball.unlink()
     assert extract_cifar(dest, tarball) == dest  # already there: the tarball is not needed again
+
+
+def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
+    """benchmarks/plain_loop.py: the recipe's plain part trained without the pipeline's loop (README's
+    check that the loop is not what limits accuracy), on a GPU box's packages; a recipe it cannot
+    follow, or a folder without test/, is one line and exit 2."""
+    from tests.data_helpers import make_imagefolder
+
+    folder = make_imagefolder(tmp_path / "f", per_class=12, splits=["train", "test"])
+    small = [f"--set={k}" for k in ("model.preset=nano", "model.depth=1", "model.num_heads=4", "pretrain.epochs=2",
+                                    "pretrain.global_batch_size=8", "pretrain.augment.hflip=0.5")]
+    proc = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--workers", "0", *small)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.findall(r"^\[plain\] epoch (\d)/2 loss \d\.\d+ top1 [01]\.\d+ ", proc.stdout, re.M) == ["1", "2"]
+    assert re.search(r"^\[plain\] test top-1 [01]\.\d{4} \(36 images\)", proc.stdout, re.M)
+
+    refused = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--recipe",
+                                "configs/cifar10-1gpu.yaml")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "pretrain.augment.auto_augment='randaugment'" in refused.stderr and "pretrain.mixup_alpha=0.8" in refused.stderr
+    (folder / "test").rename(tmp_path / "elsewhere")
+    missing = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, *small)
+    assert missing.returncode == 2 and f"{folder / 'test'}: no such folder" in missing.stderr
+
+
+def test_plain_loop_schedule_is_the_stages():
+    """The plain loop's AdamW groups and per-step LR, written out on their own, are the stages' (else
+    comparing the two loops would compare two recipes)."""
+    from benchmarks.plain_loop import optimiser
+    from pipeline.config import TrainConfig, load_params
+    from pipeline.model import build_model
+    from pipeline.train.optim import build_optimizer
+
+    cfg = TrainConfig(epochs=3, lr=1e-3, min_lr=1e-5, warmup_epochs=1.0, weight_decay=0.05)
+    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml", overrides={"model.depth": 1})
+    model = build_model(params.model, image_size=16, num_classes=3)
+    plain, plain_sched = optimiser(model, cfg, steps_per_epoch=7)
+    ours, ours_sched = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, min_lr=cfg.min_lr,
+                                       warmup_steps=7, total_steps=21)
+    decayed = {g["weight_decay"]: {id(p) for p in g["params"]} for g in plain.param_groups}
+    assert decayed == {g["weight_decay"]: {id(p) for p in g["params"]} for g in ours.param_groups}
+    for _ in range(21):
+        assert plain.param_groups[0]["lr"] == pytest.approx(ours.param_groups[0]["lr"], rel=1e-12)
+        plain_sched.step()
+        ours_sched.step()

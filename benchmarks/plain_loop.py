@@ -1,0 +1,138 @@
+"""A plain PyTorch loop for a recipe's pretrain stage, to check the project's loop against: torchvision's
+``ImageFolder`` + v2 transforms per sample, one DataLoader, AdamW with warm-up + cosine (``LambdaLR``),
+label smoothing and gradient clipping, written out here without the pipeline's data, loop or optimiser
+code (only the model class is shared). Train it and ``time_to_accuracy.py --stages pretrain`` on the
+same images with the same recipe, then compare the per-epoch train loss and the test top-1:
+
+    python benchmarks/plain_loop.py --imagefolder DIR --set model.preset=nano ...     # DIR/train, DIR/test
+
+A gap beyond run-to-run noise points at the project's loop; none means the recipe, not the loop,
+decides the accuracy. It covers the plain recipe (crop, flip, normalisation), not RandAugment,
+erasing, mixing, EMA or layer decay (a recipe that asks for them is refused, exit 2), and runs on
+the CPU in full precision, as the stages do there.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torchvision import datasets
+from torchvision.transforms import v2
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.config import ConfigError, TrainConfig, load_params  # noqa: E402
+from pipeline.model import build_model  # noqa: E402
+from pipeline.recipes import recipe_overrides  # noqa: E402
+from pipeline.train.optim import NO_DECAY_NAMES  # noqa: E402
+
+def check_supported(cfg: TrainConfig) -> dict:
+    """The recipe's augmentation, or ConfigError naming what this loop does not implement."""
+    aug = dict(cfg.augment or {})
+    asked = {"augment.auto_augment": aug.get("auto_augment"), "augment.random_erasing": aug.get("random_erasing"),
+             "mixup_alpha": cfg.mixup_alpha, "cutmix_alpha": cfg.cutmix_alpha, "ema_decay": cfg.ema_decay,
+             "layer_decay": cfg.layer_decay}
+    off = [f"pretrain.{k}={v!r}" for k, v in asked.items() if v]
+    if off:
+        raise ConfigError(f"the plain loop has no {', '.join(off)}; set them off (--set) to compare")
+    if "dataset" in (aug.get("mean"), aug.get("std")):
+        raise ConfigError("pretrain.augment.mean / std: give numbers (the plain loop reads no dataset.json)")
+    return aug
+
+
+def transforms(cfg: TrainConfig, aug: dict) -> tuple[v2.Compose, v2.Compose]:
+    norm = [v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(aug.get("mean", [0.5] * 3), aug.get("std", [0.5] * 3))]
+    crop = aug.get("random_resized_crop")
+    train = [v2.PILToTensor(),
+             v2.RandomResizedCrop(cfg.image_size, scale=tuple(crop), antialias=True) if crop
+             else v2.Resize((cfg.image_size, cfg.image_size), antialias=True),
+             v2.RandomHorizontalFlip(aug.get("hflip", 0.0))]
+    test = [v2.PILToTensor(), v2.Resize((cfg.image_size, cfg.image_size), antialias=True)]
+    return v2.Compose(train + norm), v2.Compose(test + norm)
+
+
+def optimiser(model: torch.nn.Module, cfg: TrainConfig, steps_per_epoch: int):
+    """AdamW (no decay on 1-d params, pos-embed and [CLS], as timm and the stages do), linear warm-up
+    then cosine to ``min_lr``, per step."""
+    plain = [p for n, p in model.named_parameters() if p.ndim <= 1 or any(k in n for k in NO_DECAY_NAMES)]
+    decay = [p for p in model.parameters() if all(p is not q for q in plain)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": plain, "weight_decay": 0.0}], lr=cfg.lr)
+    warm, total = round(cfg.warmup_epochs * steps_per_epoch), cfg.epochs * steps_per_epoch
+    floor = cfg.min_lr / cfg.lr
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+@torch.no_grad()
+def test_top1(model: torch.nn.Module, data) -> float:
+    model.eval()
+    correct = sum((model(x).argmax(-1) == y).sum().item() for x, y in torch.utils.data.DataLoader(data, 256))
+    model.train()
+    return correct / len(data)
+
+
+def train(cfg: TrainConfig, params, folder: Path, workers: int) -> float:
+    train_tf, test_tf = transforms(cfg, check_supported(cfg))
+    torch.manual_seed(cfg.seed)
+    train_set = datasets.ImageFolder(folder / "train", train_tf)
+    test_set = datasets.ImageFolder(folder / "test", test_tf)
+    loader = torch.utils.data.DataLoader(train_set, cfg.global_batch_size, shuffle=True, drop_last=True,
+                                         num_workers=workers, persistent_workers=workers > 0)
+    model = build_model(params.model, image_size=cfg.image_size, num_classes=len(train_set.classes))
+    opt, sched = optimiser(model, cfg, len(loader))
+    start = time.perf_counter()
+    for epoch in range(1, cfg.epochs + 1):
+        loss_sum = correct = seen = 0
+        for x, y in loader:
+            logits = model(x)
+            loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            loss_sum += loss.item() * len(y)
+            correct += (logits.argmax(-1) == y).sum().item()
+            seen += len(y)
+        print(f"[plain] epoch {epoch}/{cfg.epochs} loss {loss_sum / seen:.4f} top1 {correct / seen:.4f} | "
+              f"{time.perf_counter() - start:.1f}s", flush=True)
+    top1 = test_top1(model, test_set)
+    print(f"[plain] test top-1 {top1:.4f} ({len(test_set)} images), {time.perf_counter() - start:.1f} s training")
+    return top1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"))
+    ap.add_argument("--recipe", help="a configs/*.yaml recipe applied over --params")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key (repeatable)")
+    ap.add_argument("--imagefolder", type=Path, required=True, help="a folder with train/<class>/ and test/<class>/")
+    ap.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1)")
+    args = ap.parse_args(argv)
+    try:
+        params = load_params(args.params, overrides=recipe_overrides(args.recipe, args.set))
+        for split in ("train", "test"):
+            if not (args.imagefolder / split).is_dir():
+                raise ConfigError(f"{args.imagefolder / split}: no such folder (--imagefolder needs train/ and test/)")
+        train(params.pretrain, params, args.imagefolder, args.workers)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
