@@ -103,11 +103,11 @@ def stage_shards(args: argparse.Namespace, params: Params, stages: list[str]) ->
     return {stage: dirs[stage] for stage in stages}
 
 
-def start_model(stage: str, params: Params, num_classes: int, pretrained: Path | None) -> VisionTransformer:
+def start_model(stage: str, params: Params, classes: list[str], pretrained: Path | None) -> VisionTransformer:
     """The stage's initial weights, built as the stage builds them."""
     if stage == "pretrain":
-        return pretrain_start(params, num_classes)
-    return load_finetune_start(params, num_classes, pretrained=pretrained)
+        return pretrain_start(params, len(classes))
+    return load_finetune_start(params, classes, pretrained=pretrained)
 
 
 def train_stage(stage: str, params: Params, shard_dir: Path, info: dict, model: VisionTransformer,
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace, params: Params, shards: dict[str, Path], devic
     stages, model_dir = {}, None
     for stage, shard_dir in shards.items():
         info = read_dataset_info(shard_dir)
-        model = start_model(stage, params, len(info["classes"]), model_dir)
+        model = start_model(stage, params, info["classes"], model_dir)
         stages[stage], model_dir = train_stage(stage, params, shard_dir, info, model, deadline)
     test = evaluate_test(model_dir, shard_dir, params, device)
     return {"params": args.params, "recipe": args.recipe, "set": args.set, "device": device_name(device),

@@ -26,6 +26,7 @@ EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 BACKENDS = ("ray", "local")
 INIT_SOURCES = ("pipeline", "timm", "torchvision")  # finetune.init_source: whose key layout a weights file has
+HEADS = ("auto", "new")  # finetune.head: keep the pretrained head when the classes are its own, or always new
 ENCODINGS = ("source", "raw")  # data.<name>.encoding: the source's bytes, or decoded pixels (binary PPM)
 
 
@@ -138,6 +139,7 @@ class FinetuneConfig(TrainConfig):
     interpolation: Interpolation = field(default_factory=Interpolation)
     init: Optional[str] = None
     init_source: str = "pipeline"
+    head: str = "auto"
 
 
 @dataclass
@@ -333,6 +335,7 @@ def _check_model(p: Params) -> None:
         _model_check(check_divisible, r, p.finetune_patch_size, f"evaluate.resolutions[{i}]", ft_patch_key)
     _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, INTERP_MODES)
     _choice("finetune.init_source", p.finetune.init_source, INIT_SOURCES)
+    _choice("finetune.head", p.finetune.head, HEADS)
 
 
 def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:

@@ -107,19 +107,27 @@ def pretrain_start(params: Params, num_classes: int) -> VisionTransformer:
     return build_model(params.model, image_size=params.pretrain.image_size, num_classes=num_classes)
 
 
-def load_finetune_start(params: Params, num_classes: int, pretrained: Path = MODELS / "pretrain") -> VisionTransformer:
+def load_finetune_start(params: Params, classes: list[str], pretrained: Path = MODELS / "pretrain") -> VisionTransformer:
     """Pretrained weights (``pretrained``: the pretrain stage's model directory, unless ``finetune.init``
-    names an external file or ``scratch``), new head, moved to the fine-tune resolution/patch."""
+    names an external file or ``scratch``) moved to the fine-tune resolution/patch, with a new head for
+    ``classes`` unless ``finetune.head: auto`` and they are the pretrained model's own (a fine-tune at a
+    new resolution on the same data keeps what its head learnt)."""
     ft = params.finetune
+    pretrained_classes = None
     if ft.init is None:
-        model, _ = load_model(pretrained)
+        model, meta = load_model(pretrained)
+        pretrained_classes = meta.get("classes")
     elif ft.init == "scratch":  # ablation: the same fine-tune without pretraining
         torch.manual_seed(ft.seed)
         model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=num_classes)
     else:
         model = _load_external(params, Path(ft.init))
     torch.manual_seed(ft.seed)
-    model.reset_classifier(num_classes)
+    if ft.head == "new" or pretrained_classes != list(classes):
+        model.reset_classifier(len(classes))
+    else:
+        print(f"[finetune] keeps the pretrained head: the data has its {len(classes)} classes (finetune.head: auto)",
+              flush=True)
     model.set_input_size(image_size=ft.image_size, patch_size=params.finetune_patch_size,
                          mode=ft.interpolation.mode, antialias=ft.interpolation.antialias)
     return model
@@ -165,7 +173,7 @@ def finetune(params: Params) -> dict:
     """Fine-tune the pretrained model on the finetune shards at the fine-tune resolution."""
     shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)
-    model = load_finetune_start(params, len(info["classes"]))
+    model = load_finetune_start(params, info["classes"])
     return _train_and_save("finetune", params, params.finetune, model, shard_dir, info)
 
 

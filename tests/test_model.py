@@ -470,7 +470,7 @@ def test_finetune_start_from_timm_weights_file(tmp_path):
     params = load_params(root / "params.yaml", overrides={
         "model.depth": 2, "finetune.init": str(tmp_path / "timm.pt"), "finetune.init_source": "timm",
         "finetune.image_size": 48, "finetune.patch_size": 4})
-    model = load_finetune_start(params, num_classes=10).eval()
+    model = load_finetune_start(params, classes=list("0123456789")).eval()
     assert model.config.image_size == (48, 48) and model.config.patch_size == (4, 4)
     assert model.config.num_classes == 10
     assert torch.isfinite(model(torch.randn(2, 3, 48, 48))).all()
@@ -479,12 +479,12 @@ def test_finetune_start_from_timm_weights_file(tmp_path):
     bad = load_params(root / "params.yaml", overrides={"finetune.init": str(tmp_path / "timm.pt"),
                                                         "finetune.init_source": "timm"})
     with pytest.raises(ValueError, match="64 wide but model.preset='nano'|does not fit"):
-        load_finetune_start(bad, num_classes=10)
+        load_finetune_start(bad, classes=list("0123456789"))
     (tmp_path / "cut.pt").write_bytes((tmp_path / "timm.pt").read_bytes()[:2000])
     cut = load_params(root / "params.yaml", overrides={"finetune.init": str(tmp_path / "cut.pt")})
     with pytest.raises(ValueError, match=f"^{tmp_path / 'cut.pt'}: cannot be loaded, the file is corrupt or "
                                          "incomplete .*; finetune.init must name a model directory"):
-        load_finetune_start(cut, num_classes=10)
+        load_finetune_start(cut, classes=list("0123456789"))
     ours = tmp_path / "ours"
     save_model(nano(), ours)  # this pipeline's layout, given as torchvision's
     wrong = load_params(root / "params.yaml", overrides={"finetune.init": str(ours / "model.safetensors"),
@@ -492,4 +492,29 @@ def test_finetune_start_from_timm_weights_file(tmp_path):
     with pytest.raises(ValueError, match=rf"^finetune.init: {ours / 'model.safetensors'}: \d+ torchvision key\(s\) "
                                          r"have no equivalent .*\(is finetune.init_source='torchvision' right\? "
                                          r"valid: pipeline, timm, torchvision\)$"):
-        load_finetune_start(wrong, num_classes=10)
+        load_finetune_start(wrong, classes=list("0123456789"))
+
+
+def test_finetune_keeps_the_head_only_for_the_pretrained_classes(tmp_path, capsys):
+    """``finetune.head: auto`` keeps models/pretrain's head when the fine-tune data has its classes in its
+    order (a new resolution on the same data), else a new zero head; ``head: new`` always a new one."""
+    from pipeline.config import ConfigError, load_params
+    from pipeline.training import load_finetune_start
+
+    root = Path(__file__).resolve().parents[1]
+    pre = nano(num_classes=3)
+    torch.nn.init.normal_(pre.head.weight)
+    save_model(pre, tmp_path / "pre", extra={"classes": ["cat", "dog", "eel"]})
+
+    def head(classes, **overrides):
+        params = load_params(root / "params.yaml", overrides=overrides)
+        return load_finetune_start(params, classes, pretrained=tmp_path / "pre").head.weight
+
+    assert torch.equal(head(["cat", "dog", "eel"]), pre.head.weight)
+    assert "[finetune] keeps the pretrained head: the data has its 3 classes" in capsys.readouterr().out
+    assert not head(["dog", "cat", "eel"]).any()  # same names, other order: the logits would swap
+    assert not head(["cat", "dog"]).any() and head(["cat", "dog"]).shape[0] == 2
+    assert not head(["cat", "dog", "eel"], **{"finetune.head": "new"}).any()
+    assert "keeps the pretrained head" not in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"finetune.head.*'keep'.*auto, new"):
+        load_params(root / "params.yaml", overrides={"finetune.head": "keep"})
