@@ -119,7 +119,7 @@ def load_finetune_start(params: Params, classes: list[str], pretrained: Path = M
         pretrained_classes = meta.get("classes")
     elif ft.init == "scratch":  # ablation: the same fine-tune without pretraining
         torch.manual_seed(ft.seed)
-        model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=num_classes)
+        model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=len(classes))
     else:
         model = _load_external(params, Path(ft.init))
     torch.manual_seed(ft.seed)

@@ -515,6 +515,7 @@ def test_finetune_keeps_the_head_only_for_the_pretrained_classes(tmp_path, capsy
     assert not head(["dog", "cat", "eel"]).any()  # same names, other order: the logits would swap
     assert not head(["cat", "dog"]).any() and head(["cat", "dog"]).shape[0] == 2
     assert not head(["cat", "dog", "eel"], **{"finetune.head": "new"}).any()
+    assert not head(["cat", "dog", "eel"], **{"finetune.init": "scratch"}).any()  # no pretrained classes to match
     assert "keeps the pretrained head" not in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"finetune.head.*'keep'.*auto, new"):
         load_params(root / "params.yaml", overrides={"finetune.head": "keep"})
