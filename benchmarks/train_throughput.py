@@ -102,6 +102,52 @@ def measure(args, stepper: Stepper, eager: Optional[Stepper], batches, drain: in
     return got
 
 
+def busy_us(events) -> float:
+    """Microseconds in which the device ran at least one kernel or copy (overlaps counted once)."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
+
+
+def profile(stepper: Stepper, batches, steps: int, out: Path) -> None:
+    """Where the full loop's time goes: ``steps`` steps under ``torch.profiler``. Host time of the input
+    (loader -> device augmentation) and of the step (its launches, or its waits), the device's busy
+    share, the top ops, and a trace for Perfetto / chrome://tracing in ``out``. Host input + step close
+    to the wall time with the device idle part of it: the host bounds the loop (fewer launches help:
+    ``compile_mode: reduce-overhead``); device busy close to the wall time: the kernels do."""
+    from torch.profiler import ProfilerActivity, record_function
+    cuda = stepper.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        sync(stepper.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            with record_function("input"):
+                batch = next(batches)
+            with record_function("train_step"):
+                stepper(*batch)
+        sync(stepper.device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / "trace.json"))
+    ops = prof.key_averages()
+    host = {e.key: e.cpu_time_total / 1e3 / steps for e in ops if e.key in ("input", "train_step")}
+    print(f"\nprofile, {steps} full-loop steps (profiler on): {wall_ms:.1f} ms/step wall")
+    print(f"host, input        : {host['input']:9.1f} ms/step   (loader queue -> device augmentation)")
+    print(f"host, train step   : {host['train_step']:9.1f} ms/step   (launches, and any wait for the device)")
+    busy_ms = busy_us(prof.events()) / 1e3 / steps
+    if cuda and busy_ms:
+        print(f"device busy        : {busy_ms:9.1f} ms/step   ({busy_ms / wall_ms:.0%} of the wall time)")
+    elif cuda:
+        print("device busy        : the profiler recorded no device activity")
+    print(ops.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=15))
+    print(f"trace: {out / 'trace.json'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
@@ -115,6 +161,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating model-alone / input / loop rounds")
     ap.add_argument("--compare-eager", action="store_true",
                     help="with compile on: also time the model alone without torch.compile, side by side")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="then profile --profile-steps full-loop steps: host and device time, top ops, DIR/trace.json")
+    ap.add_argument("--profile-steps", type=int, default=10)
     args = ap.parse_args()
 
     try:
@@ -133,7 +182,7 @@ def main() -> None:
     model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
     loop = plan_stage(args.stage, params, cfg, model, shard_dir, info)[1].loop  # as the stage plans its run
     drain = loop.loader_workers * PREFETCH
-    steps_needed = args.rounds * (3 * args.steps + drain) + 8
+    steps_needed = args.rounds * (3 * args.steps + drain) + 8 + (args.profile_steps if args.profile else 0)
     stepper = Stepper(model.to(device), loop, device)
     eager = eager_twin(stepper, loop) if args.compare_eager and loop.compile else None
     batches = iter(make_train_loader(
@@ -145,6 +194,8 @@ def main() -> None:
     uncompiled = eager if eager is not None else eager_twin(stepper, loop) if loop.compile else stepper
     report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v}, peak_memory,
            flops_per_image(uncompiled, *next(batches)))
+    if args.profile:
+        profile(stepper, batches, args.profile_steps, args.profile)
 
 
 def report(args, params, loop: LoopConfig, device, median: dict[str, float], peak_memory: int,
@@ -153,7 +204,7 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
     alone, fed = median["model"], median["loop"]
     print(f"\n{args.stage} of {args.recipe or args.params} on {name}: {params.model.preset} "
           f"(patch {params.model.patch_size}, {loop.image_size} px), batch {loop.per_worker_batch}, amp {loop.amp}, "
-          f"compile {loop.compile}, {loop.loader_workers} loader workers, {args.steps} steps x {args.rounds} rounds")
+          f"compile {loop.compile}{f' ({loop.compile_mode})' if loop.compile else ''}, {loop.loader_workers} loader workers, {args.steps} steps x {args.rounds} rounds")
     print(f"median model alone : {alone:9.0f} img/s")
     if "eager" in median:
         print(f"median eager alone : {median['eager']:9.0f} img/s   (compile buys {alone / median['eager']:.2f}x)")

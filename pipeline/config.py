@@ -24,6 +24,8 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 INTERP_MODES = ("nearest", "bilinear", "bicubic", "area")
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
+# {pretrain,finetune}.compile_mode: torch.compile's modes; the two that CUDA-graph the step cut its launch cost on a GPU
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 BACKENDS = ("ray", "local")
 INIT_SOURCES = ("pipeline", "timm", "torchvision")  # finetune.init_source: whose key layout a weights file has
 HEADS = ("auto", "new")  # finetune.head: keep the pretrained head when the classes are its own, or always new
@@ -122,6 +124,7 @@ class TrainConfig:
     checkpoint_every_epochs: int = 1
     log_every_steps: int = 10
     compile: bool = False
+    compile_mode: str = "default"
     grad_checkpointing: bool = False
 
 
@@ -347,6 +350,7 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError(f"{stage}.label_smoothing: {t.label_smoothing!r} must be in [0, 1)")
     _choice(f"{stage}.amp", t.amp, AMP_MODES)
+    _choice(f"{stage}.compile_mode", t.compile_mode, COMPILE_MODES)
     _choice(f"{stage}.keep", t.keep, KEEP_CHOICES)
     if t.early_stop_patience is not None:
         _positive(f"{stage}.early_stop_patience", t.early_stop_patience)

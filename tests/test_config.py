@@ -50,6 +50,7 @@ def test_params_yaml_and_code_defaults_agree():
     ({"data.pretrain.source": "mnist"}, ["data.pretrain.source", "mnist", "imagefolder"]),
     ({"data.finetune.source": "imagefolder"}, ["data.finetune.root", "required"]),
     ({"data.pretrain.encoding": "npy"}, ["data.pretrain.encoding", "'npy'", "source, raw"]),
+    ({"finetune.compile_mode": "fast"}, ["finetune.compile_mode", "'fast'", "reduce-overhead"]),
     ({"pretrain.global_batch_size": 63}, ["pretrain.global_batch_size", "63", "ray.num_workers=2"]),
     ({"evaluate.resolutions": [32, 33]}, ["evaluate.resolutions[1]", "33"]),
     ({"export.formats": ["onnx", "tflite"]}, ["export.formats[1]", "tflite", "torchscript"]),

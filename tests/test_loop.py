@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import pytest
@@ -26,22 +27,48 @@ def _model():
     return build_vit("nano", patch_size=4, image_size=16, num_classes=10, depth=2, qkv_bias=False)
 
 
-def test_compiled_step_matches_eager():
-    """``compile: true`` trains the same model: equal loss and (to float tolerance) equal weights."""
-    model = _model()
+def _steps(model, device: torch.device, steps: int = 2, **cfg):
+    """The per-step mean losses and the final weights of ``steps`` steps on one fixed batch."""
     x, y = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 10
-    results = []
-    for compiled in (False, True):
-        m = copy.deepcopy(model)
-        cfg = _cfg(m.config.to_dict(), compile=compiled)
-        stepper = Stepper(m, cfg, torch.device("cpu"))
-        losses = [stepper(x, y)[0].item() / 8 for _ in range(2)]
-        results.append((losses, m.state_dict()))
-    (eager_loss, eager_state), (comp_loss, comp_state) = results
+    m = copy.deepcopy(model).to(device)
+    stepper = Stepper(m, _cfg(m.config.to_dict(), **cfg), device)
+    losses = [stepper(x.to(device), y.to(device))[0].item() / 8 for _ in range(steps)]
+    return losses, {k: v.cpu() for k, v in m.state_dict().items()}, stepper
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_step_matches_eager(mode):
+    """``compile: true`` trains the same model, in each ``compile_mode`` (on a CPU ``reduce-overhead``
+    compiles without CUDA graphs): equal loss and (to float tolerance) equal weights."""
+    model = _model()
+    eager_loss, eager_state, _ = _steps(model, torch.device("cpu"))
+    comp_loss, comp_state, _ = _steps(model, torch.device("cpu"), compile=True, compile_mode=mode)
     assert comp_loss == pytest.approx(eager_loss, rel=1e-4)
     assert eager_loss[1] < eager_loss[0]  # it did learn
     for k in eager_state:
         torch.testing.assert_close(comp_state[k], eager_state[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphed_step_matches_eager_and_never_syncs():
+    """On a GPU, ``compile_mode: reduce-overhead`` replays CUDA graphs, micro batches included, and
+    trains as eager does; once warm, a step (EMA, clipping, scheduler and all) never waits for the GPU."""
+    model, cuda = _model(), torch.device("cuda")
+    recipe = dict(amp="off", max_worker_batch=4, ema_decay=0.99, steps=4)
+    eager_loss, eager_state, _ = _steps(model, cuda, **recipe)
+    comp_loss, comp_state, stepper = _steps(model, cuda, compile=True, compile_mode="reduce-overhead", **recipe)
+    assert stepper.graphed
+    assert comp_loss == pytest.approx(eager_loss, rel=1e-3)
+    for k in eager_state:
+        torch.testing.assert_close(comp_state[k], eager_state[k], rtol=1e-2, atol=1e-4, msg=k)
+    x, y = torch.randn(8, 3, 16, 16, device=cuda), torch.arange(8, device=cuda) % 10
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            stepper(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
 
 
 def test_accumulated_step_equals_one_big_step():
@@ -94,13 +121,14 @@ def test_train_memory_benchmark_runs_on_cpu():
     assert re.search(r"train step of nano/4 at 32 px on .* \(\d+ cores.*\): batch 32, fp32", proc.stdout)
 
 
-def test_throughput_benchmark_runs_on_cpu(digits_dir):
-    """The README's benchmark command, shortened, compiled and with --compare-eager (the GPU runbook's
-    form): it measures every side and prints the feed ratio, and runs where Ray, MLflow, DVC, ONNX and
+def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
+    """The README's benchmark command, shortened, compiled, with --compare-eager and --profile (the GPU
+    runbook's form): it measures every side and prints the feed ratio and where the loop's time goes, and runs where Ray, MLflow, DVC, ONNX and
     the rest that a GPU box may lack are not installed (conftest.GPU_BOX_REQUIREMENTS). The uncompiled form runs in test_time_to_accuracy.py."""
     proc = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "2",
                              "--rounds", "1", "--set", "ray.loader_workers=1", "--set", "model.depth=1",
-                             "--set", "pretrain.compile=true", "--compare-eager")
+                             "--set", "pretrain.compile=true", "--compare-eager", "--profile", tmp_path / "profile",
+                             "--profile-steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in proc.stdout.splitlines() if ":" in line}
     alone, eager, fed = (float(lines[f"median {k}"].split()[0]) for k in ("model alone", "eager alone", "full loop"))
@@ -108,7 +136,12 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir):
     buys = float(lines["median eager alone"].split("compile buys ")[1].split("x")[0])
     assert buys == pytest.approx(alone / eager, abs=0.01)
     assert float(lines["feed ratio"].split()[0]) == pytest.approx(fed / alone, rel=0.01)
-    assert "batch 64" in proc.stdout and "compile True, 1 loader workers" in proc.stdout  # one rank, whole batch
+    assert "batch 64" in proc.stdout and "compile True (default), 1 loader workers" in proc.stdout  # one rank, whole batch
+    wall = float(lines["profile, 2 full-loop steps (profiler on)"].split()[0])
+    host = [float(lines[f"host, {k}"].split()[0]) for k in ("input", "train step")]
+    assert 0 < sum(host) <= wall * 1.05 and min(host) > 0  # both inside the timed steps
+    trace = json.loads((tmp_path / "profile" / "trace.json").read_text())
+    assert {"input", "train_step"} <= {e.get("name") for e in trace["traceEvents"]}
 
 
 def test_ema_warmup_follows_the_schedule_and_resumes():

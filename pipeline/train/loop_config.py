@@ -44,6 +44,7 @@ class LoopConfig:
     early_stop_patience: Optional[int]
     amp: str
     compile: bool
+    compile_mode: str
     grad_checkpointing: bool
     checkpoint_every_steps: Optional[int]
     checkpoint_every_epochs: int

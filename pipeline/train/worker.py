@@ -68,7 +68,9 @@ class Stepper:
     def __init__(self, model: torch.nn.Module, cfg: LoopConfig, device: torch.device):
         self.model, self.cfg, self.device = model, cfg, device
         unwrap(model).set_grad_checkpointing(cfg.grad_checkpointing)
-        self.forward = torch.compile(model) if cfg.compile else model
+        self.forward = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
+        # CUDA graphs replay into the same output buffers: each step must say where it begins
+        self.graphed = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
         self.micro, self.accum = accumulation(cfg.per_worker_batch, cfg.max_worker_batch)
         self.optimizer, self.scheduler = build_optimizer(
             model, lr=cfg.lr, weight_decay=cfg.weight_decay, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
@@ -95,6 +97,8 @@ class Stepper:
             sl = slice(i * self.micro, (i + 1) * self.micro)
             last = i == self.accum - 1
             sync = self.model.no_sync() if (not last and hasattr(self.model, "no_sync")) else torch.enable_grad()
+            if self.graphed:  # each micro batch's forward + backward is one replay
+                torch.compiler.cudagraph_mark_step_begin()
             with sync, autocast(self.device, self.dtype):
                 logits = self.forward(images[sl]).float()
                 loss = soft_cross_entropy(logits, targets[sl], self.cfg.label_smoothing)
