@@ -303,13 +303,16 @@ def validate(p: Params) -> Params:
 
 
 def _check_data(key: str, d: DataConfig) -> None:
-    from pipeline.data.sources import SOURCES
+    from pipeline.data.sources import ROOTED, SOURCES
     from pipeline.data.splits import check_fraction
 
     _choice(f"{key}.source", d.source, SOURCES)
     _choice(f"{key}.encoding", d.encoding, ENCODINGS)
-    if d.source in ("imagefolder", "parquet", "cifar") and not d.root:
+    if d.source in ROOTED and not d.root:
         raise ConfigError(f"{key}.root: required for source {d.source!r} (a path to the dataset)")
+    if d.source not in ROOTED and d.root:
+        raise ConfigError(f"{key}.root: {d.root!r} would be ignored: source {d.source!r} is built in; set root: null, "
+                          f"or a source that reads it ({', '.join(ROOTED)})")
     for k in ("val_fraction", "test_fraction", "max_bad_fraction"):
         try:
             check_fraction(f"{key}.{k}", getattr(d, k))

@@ -49,6 +49,7 @@ def test_params_yaml_and_code_defaults_agree():
     ({"finetune.interpolation.mode": "lanczos"}, ["finetune.interpolation.mode", "lanczos", "bicubic"]),
     ({"data.pretrain.source": "mnist"}, ["data.pretrain.source", "mnist", "imagefolder"]),
     ({"data.finetune.source": "imagefolder"}, ["data.finetune.root", "required"]),
+    ({"data.finetune.root": "/data/x"}, ["data.finetune.root", "'/data/x'", "ignored", "'digits'", "imagefolder"]),
     ({"data.pretrain.encoding": "npy"}, ["data.pretrain.encoding", "'npy'", "source, raw"]),
     ({"finetune.compile_mode": "fast"}, ["finetune.compile_mode", "'fast'", "reduce-overhead"]),
     ({"pretrain.global_batch_size": 63}, ["pretrain.global_batch_size", "63", "ray.num_workers=2"]),

@@ -44,3 +44,4 @@ def list_source(source: str, **kw) -> SourceListing:
 
 
 SOURCES = ("digits", "fractals", "imagefolder", "parquet", "cifar")
+ROOTED = ("imagefolder", "parquet", "cifar")  # the sources that read ``root``; the others are built in
