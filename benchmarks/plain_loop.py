@@ -49,10 +49,11 @@ def check_supported(cfg: TrainConfig) -> dict:
 def transforms(cfg: TrainConfig, aug: dict) -> tuple[v2.Compose, v2.Compose]:
     norm = [v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(aug.get("mean", [0.5] * 3), aug.get("std", [0.5] * 3))]
-    crop = aug.get("random_resized_crop")
+    crop, pad = aug.get("random_resized_crop"), aug.get("random_crop")
     train = [v2.PILToTensor(),
              v2.RandomResizedCrop(cfg.image_size, scale=tuple(crop), antialias=True) if crop
              else v2.Resize((cfg.image_size, cfg.image_size), antialias=True),
+             *([v2.RandomCrop(cfg.image_size, padding=pad)] if pad else []),
              v2.RandomHorizontalFlip(aug.get("hflip", 0.0))]
     test = [v2.PILToTensor(), v2.Resize((cfg.image_size, cfg.image_size), antialias=True)]
     return v2.Compose(train + norm), v2.Compose(test + norm)

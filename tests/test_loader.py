@@ -138,10 +138,14 @@ def test_train_epoch_order_and_mid_epoch_resume(digits_dir):
             assert ks == ks2 and torch.equal(y, y2) and torch.equal(x, x2)
 
 
-def test_train_any_worker_count(digits_dir):
+AUG_PADDED_CROP = {"random_crop": 2, "hflip": 0.5, "auto_augment": "randaugment", "random_erasing": 0.5}
+
+
+@pytest.mark.parametrize("augment", [AUG_ALL_RANDOM, AUG_PADDED_CROP], ids=["resized-crop", "padded-crop"])
+def test_train_any_worker_count(digits_dir, augment):
     """Workers take turns at whole steps: a batch of 5 with 3 workers is fine, and identical to no workers."""
     kw = dict(batch_size=5, image_size=8, steps_per_epoch=7, rank=0, world_size=1, epoch=0, seed=2,
-              augment=AUG_ALL_RANDOM, return_keys=True)
+              augment=augment, return_keys=True)
     ref = list(make_train_loader(digits_dir, **kw))
     got = list(make_train_loader(digits_dir, num_workers=3, prefetch=1, **kw))
     assert [ks for _, _, ks in got] == [ks for _, _, ks in ref]

@@ -1,6 +1,7 @@
 """The lean tar reader against webdataset's, and the per-sample transforms against torchvision's."""
 from __future__ import annotations
 
+import re
 import tarfile
 from pathlib import Path
 
@@ -135,3 +136,39 @@ def test_sample_transform_equals_torchvision_ops(interp):
             ref, flips = F.horizontal_flip(ref), flips + 1
         assert torch.equal(t.apply(x, seed), ref), seed
     assert 0 < flips < 20
+
+
+def test_random_crop_is_torchvision_padded_crop_with_every_offset():
+    """``random_crop: p`` (after the resize) is RandomCrop(size, padding=p): the zero-padded image cut at
+    an offset drawn per seed, every offset in [0, 2p]^2 reachable; then the flip. The reference
+    pipeline has torchvision's own RandomCrop there."""
+    import random
+    from torchvision.transforms import v2
+    from torchvision.transforms.v2 import functional as F
+    from pipeline.data.transforms import SampleTransform, train_transform
+    x = torch.randint(1, 256, (3, 12, 12), dtype=torch.uint8)  # no zero pixel: the padding shows
+    t = SampleTransform(12, {"random_crop": 3, "hflip": 0.5}, train=True)
+    offsets = set()
+    for seed in range(400):
+        rng = random.Random(seed)
+        i, j = rng.randint(0, 6), rng.randint(0, 6)
+        ref = F.crop(F.pad(x, [3]), i, j, 12, 12)
+        if rng.random() < 0.5:
+            ref = F.horizontal_flip(ref)
+        assert torch.equal(t.apply(x, seed), ref), seed
+        offsets.add((i, j))
+    assert len(offsets) == 49
+    assert torch.equal(SampleTransform(12, {"random_crop": 3}, train=False).apply(x, 0), x)  # eval: no crop
+    assert any(isinstance(op, v2.RandomCrop) and op.padding == [3, 3, 3, 3]
+               for op in train_transform(12, {"random_crop": 3}).transforms)
+
+
+@pytest.mark.parametrize("augment, needle", [
+    ({"random_crop": -1}, "augment.random_crop must be null or the padding in pixels (an int >= 0), got -1"),
+    ({"random_crop": 2.5}, "augment.random_crop must be null or the padding in pixels (an int >= 0), got 2.5"),
+    ({"random_crop": 4, "random_resized_crop": [0.5, 1.0]}, "choose one crop (set the other to null)"),
+])
+def test_random_crop_bad_values(augment, needle):
+    from pipeline.data.transforms import resolve_augment
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        resolve_augment(augment)

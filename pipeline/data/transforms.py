@@ -18,6 +18,7 @@ AUGMENT_DEFAULTS: dict[str, Any] = {
     "mean": [0.5, 0.5, 0.5],
     "std": [0.5, 0.5, 0.5],
     "random_resized_crop": None,
+    "random_crop": None,
     "hflip": 0.0,
     "auto_augment": None,
     "random_erasing": 0.0,
@@ -67,6 +68,12 @@ def resolve_augment(augment: Optional[dict], *, allow_dataset: bool = False) -> 
     if rrc is not None and (len(rrc) != 2 or not 0 < rrc[0] <= rrc[1] <= 1):
         raise ValueError(f"augment.random_resized_crop must be null or [min_scale, max_scale] "
                          f"with 0 < min <= max <= 1, got {rrc!r}")
+    pad = cfg["random_crop"]
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
+        raise ValueError(f"augment.random_crop must be null or the padding in pixels (an int >= 0), got {pad!r}")
+    if pad is not None and rrc is not None:
+        raise ValueError(f"augment.random_crop={pad!r} and random_resized_crop={rrc!r}: choose one crop "
+                         f"(set the other to null)")
     for key in ("hflip", "random_erasing"):
         if not 0.0 <= float(cfg[key]) <= 1.0:
             raise ValueError(f"augment.{key} is a probability in [0, 1], got {cfg[key]!r}")
@@ -101,6 +108,8 @@ def train_transform(image_size: int, augment: Optional[dict] = None) -> v2.Compo
     ops = [v2.ToImage()]
     if cfg["random_resized_crop"] is None:
         ops += [v2.Resize(image_size, interpolation=interp, antialias=True), v2.CenterCrop(image_size)]
+        if cfg["random_crop"] is not None:
+            ops.append(v2.RandomCrop(image_size, padding=cfg["random_crop"]))
     else:
         ops.append(v2.RandomResizedCrop(image_size, scale=tuple(cfg["random_resized_crop"]),
                                         interpolation=interp, antialias=True))
@@ -167,7 +176,8 @@ def crop_params(rng: random.Random, height: int, width: int, scale: Sequence[flo
 
 
 class SampleTransform:
-    """Per-sample CPU part on a uint8 CHW tensor: crop/resize and flip; stays uint8.
+    """Per-sample CPU part on a uint8 CHW tensor: crop/resize (random-resized, or resized then a random
+    crop of the zero-padded image, CIFAR's classic) and flip; stays uint8.
 
     Calls torchvision's image kernels directly: at 32 px the v2 module dispatch costs more than
     the pixel work. Auto-augment, normalisation and erasing run batched on the training device
@@ -182,8 +192,9 @@ class SampleTransform:
         self.size, self.train = image_size, train
         self.interp = INTERPOLATIONS[cfg["interpolation"]]
         self.rrc = cfg["random_resized_crop"] if train else None
+        self.pad = cfg["random_crop"] if train else None
         self.hflip = float(cfg["hflip"]) if train else 0.0
-        self.random = self.rrc is not None or self.hflip > 0
+        self.random = self.rrc is not None or self.pad is not None or self.hflip > 0
         self.direct = _direct_resize_matches(self.interp)
 
     def seeded(self, images: Sequence[torch.Tensor], seeds: Sequence[int]) -> list[torch.Tensor]:
@@ -211,6 +222,9 @@ class SampleTransform:
                 img = F.resize(img, self.size, interpolation=self.interp, antialias=True)
             if tuple(img.shape[-2:]) != (self.size, self.size):
                 img = F.center_crop(img, [self.size, self.size])
+            if self.pad:  # RandomCrop(size, padding=pad): offsets uniform in [0, 2 * pad], zeros outside
+                i, j = rng.randint(0, 2 * self.pad), rng.randint(0, 2 * self.pad)
+                img = torch.nn.functional.pad(img, [self.pad] * 4)[:, i:i + self.size, j:j + self.size]
         if self.hflip and rng.random() < self.hflip:
             img = img.flip(-1)
         return img
