@@ -152,6 +152,28 @@ def test_train_any_worker_count(digits_dir, augment):
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ref, got, strict=True))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_batches_made_one_ahead_on_a_side_stream(digits_dir):
+    """On a GPU, batch k + 1 is copied and augmented on a side stream while step k runs: each batch still
+    arrives complete (the CPU's pixels, to rounding), overwriting a batch at once spoils none of the next,
+    and taking a batch never syncs the host."""
+    kw = dict(batch_size=16, image_size=16, steps_per_epoch=6, rank=0, world_size=1, epoch=0, seed=3,
+              augment=AUG_ALL_RANDOM)
+    cpu = list(make_train_loader(digits_dir, **kw))
+    batches = iter(make_train_loader(digits_dir, device="cuda", **kw))
+    got = [tuple(t.clone() for t in next(batches))]  # the first call per device copies constants over
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in batches:
+            got.append((x.clone(), y.clone()))
+            x.zero_()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for (a, b), (c, d) in zip(cpu, got, strict=True):
+        diff = (c.cpu() - a).abs()
+        assert torch.equal(d.cpu(), b) and (diff > 0).float().mean() < 0.01 and diff.mean() < 0.01
+
+
 def test_raw_encoded_shards_give_the_same_batches(tmp_path):
     """Shards written with ``encoding: raw`` (pixels, no decode at load time) feed the same train and eval
     batches as the source-encoded ones, every random augmentation on, with loader workers."""

@@ -237,6 +237,28 @@ def _on_device(batches: Iterator[TrainBatch], augment: DeviceAugment, device: to
         yield (x, y, batch.keys) if return_keys else (x, y)
 
 
+def _one_ahead_on_side_stream(batches: Iterator[tuple], device: torch.device) -> Iterator[tuple]:
+    """CUDA: issue batch k + 1's copy and augmentation on a side stream before handing out batch k, so
+    the device runs them beside step k instead of queued behind it (the pattern of apex's ImageNet
+    data_prefetcher). The consumer's stream waits for its batch on the device, never the host, and
+    ``record_stream`` keeps the allocator from reusing a batch's memory before that stream is done."""
+    side = torch.cuda.Stream(device)
+
+    def issue():
+        with torch.cuda.stream(side):
+            return next(batches, None)
+
+    ahead = issue()
+    while ahead is not None:
+        consumer = torch.cuda.current_stream(device)
+        consumer.wait_stream(side)
+        for t in ahead:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(consumer)
+        batch, ahead = ahead, issue()
+        yield batch
+
+
 def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_epoch: int, rank: int,
                       world_size: int, epoch: int, seed: int, augment: Optional[dict],
                       last_epoch: Optional[int] = None, start_batch: int = 0, num_workers: int = 0,
@@ -251,7 +273,8 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
     same augmented pixels for any ``world_size`` dividing ``num_streams`` and any ``num_workers``.
     ``num_streams`` defaults to ``lcm(W, gcd(global batch, 8))`` (8 for the usual power-of-two
     layouts; see :func:`.streams.resolve_num_streams`). One DataLoader (``num_workers`` processes,
-    ``prefetch`` batches each in flight) serves all the epochs, so workers start once per run.
+    ``prefetch`` batches each in flight) serves all the epochs, so workers start once per run. On
+    CUDA the next batch is copied and augmented on a side stream while the caller steps on this one.
     ``return_keys`` (debugging / tests) yields ``(images, labels, keys)`` instead of ``(images, labels)``.
     """
     _check_rank(rank, world_size, batch_size, num_workers)
@@ -277,8 +300,11 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
     else:  # augmentation is seeded per sample; the generator keeps DataLoader off the global torch RNG
         source = DataLoader(ds, batch_size=None, num_workers=num_workers, prefetch_factor=prefetch,
                             pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
-    return _Loader(lambda: _on_device(iter(source), ds.device_augment, device, return_keys), length,
-                   length * batch_size)
+
+    def batches() -> Iterator[tuple]:
+        on_device = _on_device(iter(source), ds.device_augment, device, return_keys)
+        return _one_ahead_on_side_stream(on_device, device) if device.type == "cuda" else on_device
+    return _Loader(batches, length, length * batch_size)
 
 
 def _rebatch(parts: Iterator[tuple[torch.Tensor, torch.Tensor]], batch_size: int) -> Iterator[tuple]:
