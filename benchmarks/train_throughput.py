@@ -16,13 +16,13 @@ tarball in ``../shared/data`` first.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
-from pipeline.config import ConfigError, load_params  # noqa: E402
+from pipeline.config import COMPILE_MODES, ConfigError, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
 from pipeline.data.loader import PREFETCH  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
@@ -58,10 +58,10 @@ def timed(device: torch.device, steps: int, batch: int, body) -> float:
     return steps * batch / (time.perf_counter() - t0)
 
 
-def eager_twin(stepper: Stepper, loop: LoopConfig) -> Stepper:
-    """The same model (a copy of its weights) stepped without ``torch.compile``: FLOPs can only be
-    counted eagerly, and ``--compare-eager`` times it beside the compiled one."""
-    return Stepper(copy.deepcopy(stepper.model), dataclasses.replace(loop, compile=False), stepper.device)
+def twin(stepper: Stepper, loop: LoopConfig, **changes) -> Stepper:
+    """The same model (a copy of its weights) stepped with ``changes`` to the loop config: uncompiled
+    (FLOPs can only be counted eagerly; ``--compare-eager``) or compiled in another mode (``--compare-mode``)."""
+    return Stepper(copy.deepcopy(stepper.model), dataclasses.replace(loop, **changes), stepper.device)
 
 
 def flops_per_image(stepper: Stepper, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -72,30 +72,32 @@ def flops_per_image(stepper: Stepper, images: torch.Tensor, labels: torch.Tensor
     return float(counter.get_total_flops()) / len(labels)
 
 
-def measure(args, stepper: Stepper, eager: Optional[Stepper], batches, drain: int) -> dict[str, list[float]]:
-    """``args.rounds`` rounds of: model alone (a fixed batch already on the device), [the eager
-    model alone], input alone (loader workers -> device augmentation, no step) and the full loop.
+def measure(args, stepper: Stepper, twins: dict[str, Stepper], batches, drain: int) -> dict[str, list[float]]:
+    """``args.rounds`` rounds of: model alone (a fixed batch already on the device), each twin's model
+    alone, input alone (loader workers -> device augmentation, no step), the full loop and each
+    compiled twin's full loop.
     While the model-alone rounds run, the loader's workers fill their queue (``drain`` batches);
     those are taken, untimed, before the input is timed, so input and loop are timed in the steady
     state, not on batches made during the model's turn."""
     images, labels = next(batches)  # the fixed batch for the model alone
     device, n = stepper.device, len(labels)
-    for _ in range(3):  # warm-up: cudnn/compile, allocator, loader workers' first batches
-        stepper(images, labels)
-        stepper(*next(batches))
-        if eager is not None:
-            eager(images, labels)
+    looped = {"": stepper, **{name: t for name, t in twins.items() if name != "eager"}}
+    for _ in range(3):  # warm-up: cudnn/compile (CUDA graphs: recorded), allocator, the workers' first batches
+        for s in (stepper, *twins.values()):
+            s(images, labels)
+        for s in looped.values():
+            s(*next(batches))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    got: dict[str, list[float]] = {"model": [], "eager": [], "input": [], "loop": []}
+    got: dict[str, list[float]] = collections.defaultdict(list)
     for r in range(args.rounds):
-        got["model"].append(timed(device, args.steps, n, lambda: stepper(images, labels)))
-        if eager is not None:
-            got["eager"].append(timed(device, args.steps, n, lambda: eager(images, labels)))
+        for name, s in {"model": stepper, **twins}.items():
+            got[name].append(timed(device, args.steps, n, lambda: s(images, labels)))
         for _ in range(drain):
             next(batches)
         got["input"].append(timed(device, args.steps, n, lambda: next(batches)))
-        got["loop"].append(timed(device, args.steps, n, lambda: stepper(*next(batches))))
+        for name, s in looped.items():
+            got[f"loop {name}".strip()].append(timed(device, args.steps, n, lambda: s(*next(batches))))
         print(f"round {r}: model alone {got['model'][-1]:8.0f} img/s   input alone {got['input'][-1]:8.0f} img/s   "
               f"full loop {got['loop'][-1]:8.0f} img/s   feed ratio {got['loop'][-1] / got['model'][-1]:.3f}",
               flush=True)
@@ -161,6 +163,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating model-alone / input / loop rounds")
     ap.add_argument("--compare-eager", action="store_true",
                     help="with compile on: also time the model alone without torch.compile, side by side")
+    ap.add_argument("--compare-mode", choices=COMPILE_MODES, metavar="MODE",
+                    help=f"also time the model alone and the loop compiled in MODE ({', '.join(COMPILE_MODES)})")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="then profile --profile-steps full-loop steps: host and device time, top ops, DIR/trace.json")
     ap.add_argument("--profile-steps", type=int, default=10)
@@ -182,16 +186,19 @@ def main() -> None:
     model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
     loop = plan_stage(args.stage, params, cfg, model, shard_dir, info)[1].loop  # as the stage plans its run
     drain = loop.loader_workers * PREFETCH
-    steps_needed = args.rounds * (3 * args.steps + drain) + 8 + (args.profile_steps if args.profile else 0)
     stepper = Stepper(model.to(device), loop, device)
-    eager = eager_twin(stepper, loop) if args.compare_eager and loop.compile else None
+    twins = {"eager": twin(stepper, loop, compile=False)} if args.compare_eager and loop.compile else {}
+    if args.compare_mode:
+        twins[args.compare_mode] = twin(stepper, loop, compile=True, compile_mode=args.compare_mode)
+    steps_needed = (args.rounds * ((3 + len(twins)) * args.steps + drain) + 8 * (1 + len(twins))
+                    + (args.profile_steps if args.profile else 0))
     batches = iter(make_train_loader(
         loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
         steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-steps_needed // loop.steps_per_epoch) - 1,
         rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=loop.loader_workers, device=device))
-    got = measure(args, stepper, eager, batches, drain)
+    got = measure(args, stepper, twins, batches, drain)
     peak_memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0  # before the FLOP count's step
-    uncompiled = eager if eager is not None else eager_twin(stepper, loop) if loop.compile else stepper
+    uncompiled = twins.get("eager") or (twin(stepper, loop, compile=False) if loop.compile else stepper)
     report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v}, peak_memory,
            flops_per_image(uncompiled, *next(batches)))
     if args.profile:
@@ -212,9 +219,13 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
           f"below 1, the input bounds the loop)")
     print(f"median full loop   : {fed:9.0f} img/s")
     print(f"feed ratio         : {fed / alone:9.3f}   (target >= 0.9 on a GPU)")
+    if args.compare_mode:
+        mode_alone, mode_fed = median[args.compare_mode], median[f"loop {args.compare_mode}"]
+        print(f"{args.compare_mode} alone : {mode_alone:9.0f} img/s   ({mode_alone / alone:.2f}x the model alone above)")
+        print(f"{args.compare_mode} loop  : {mode_fed:9.0f} img/s   (feed ratio {mode_fed / mode_alone:.3f})")
     if device.type == "cuda":
-        twin = "   (the uncompiled copy's steps included)" if "eager" in median else ""
-        print(f"peak GPU memory    : {peak_memory / 2**30:9.2f} GiB{twin}")
+        note = "   (the twins' steps included)" if len(median) > 3 else ""
+        print(f"peak GPU memory    : {peak_memory / 2**30:9.2f} GiB{note}")
         peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
         if peak:
             print(f"MFU (bf16 peak)    : {flops * fed / peak:9.1%} of {peak / 1e12:.0f} TFLOP/s "

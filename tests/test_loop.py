@@ -122,13 +122,13 @@ def test_train_memory_benchmark_runs_on_cpu():
 
 
 def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
-    """The README's benchmark command, shortened, compiled, with --compare-eager and --profile (the GPU
-    runbook's form): it measures every side and prints the feed ratio and where the loop's time goes, and runs where Ray, MLflow, DVC, ONNX and
+    """The README's benchmark command, shortened, compiled, with --compare-eager, --compare-mode and --profile
+    (the GPU runbook's form): it measures every side and prints the feed ratio and where the loop's time goes, and runs where Ray, MLflow, DVC, ONNX and
     the rest that a GPU box may lack are not installed (conftest.GPU_BOX_REQUIREMENTS). The uncompiled form runs in test_time_to_accuracy.py."""
     proc = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "2",
                              "--rounds", "1", "--set", "ray.loader_workers=1", "--set", "model.depth=1",
-                             "--set", "pretrain.compile=true", "--compare-eager", "--profile", tmp_path / "profile",
-                             "--profile-steps", "2")
+                             "--set", "pretrain.compile=true", "--compare-eager", "--compare-mode", "reduce-overhead",
+                             "--profile", tmp_path / "profile", "--profile-steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in proc.stdout.splitlines() if ":" in line}
     alone, eager, fed = (float(lines[f"median {k}"].split()[0]) for k in ("model alone", "eager alone", "full loop"))
@@ -137,6 +137,10 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
     assert buys == pytest.approx(alone / eager, abs=0.01)
     assert float(lines["feed ratio"].split()[0]) == pytest.approx(fed / alone, rel=0.01)
     assert "batch 64" in proc.stdout and "compile True (default), 1 loader workers" in proc.stdout  # one rank, whole batch
+    mode_alone, mode_fed = (float(lines[f"reduce-overhead {k}"].split()[0]) for k in ("alone", "loop"))
+    assert float(lines["reduce-overhead alone"].split("(")[1].split("x")[0]) == pytest.approx(mode_alone / alone, abs=0.01)
+    assert float(lines["reduce-overhead loop"].split("feed ratio ")[1].rstrip(")")) == pytest.approx(
+        mode_fed / mode_alone, abs=0.002)
     wall = float(lines["profile, 2 full-loop steps (profiler on)"].split()[0])
     host = [float(lines[f"host, {k}"].split()[0]) for k in ("input", "train step")]
     assert 0 < sum(host) <= wall * 1.05 and min(host) > 0  # both inside the timed steps
