@@ -7,9 +7,10 @@ same images with the same recipe, then compare the per-epoch train loss and the 
     python benchmarks/plain_loop.py --imagefolder DIR --set model.preset=nano ...     # DIR/train, DIR/test
 
 A gap beyond run-to-run noise points at the project's loop; none means the recipe, not the loop,
-decides the accuracy. It covers the plain recipe (crop, flip, normalisation), not RandAugment,
-erasing, mixing, EMA or layer decay (a recipe that asks for them is refused, exit 2), and runs on
-the CPU in full precision, as the stages do there.
+decides the accuracy. It covers crop, flip, RandAugment / TrivialAugmentWide, normalisation and
+random erasing per sample (torchvision's own transforms, where the project batches them on the
+device) and MixUp / CutMix per batch, not EMA or layer decay (a recipe that asks for them is
+refused, exit 2), and runs on the CPU in full precision, as the stages do there.
 """
 from __future__ import annotations
 
@@ -35,9 +36,7 @@ from pipeline.train.optim import NO_DECAY_NAMES  # noqa: E402
 def check_supported(cfg: TrainConfig) -> dict:
     """The recipe's augmentation, or ConfigError naming what this loop does not implement."""
     aug = dict(cfg.augment or {})
-    asked = {"augment.auto_augment": aug.get("auto_augment"), "augment.random_erasing": aug.get("random_erasing"),
-             "mixup_alpha": cfg.mixup_alpha, "cutmix_alpha": cfg.cutmix_alpha, "ema_decay": cfg.ema_decay,
-             "layer_decay": cfg.layer_decay}
+    asked = {"ema_decay": cfg.ema_decay, "layer_decay": cfg.layer_decay}
     off = [f"pretrain.{k}={v!r}" for k, v in asked.items() if v]
     if off:
         raise ConfigError(f"the plain loop has no {', '.join(off)}; set them off (--set) to compare")
@@ -55,8 +54,19 @@ def transforms(cfg: TrainConfig, aug: dict) -> tuple[v2.Compose, v2.Compose]:
              else v2.Resize((cfg.image_size, cfg.image_size), antialias=True),
              *([v2.RandomCrop(cfg.image_size, padding=pad)] if pad else []),
              v2.RandomHorizontalFlip(aug.get("hflip", 0.0))]
+    auto = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide}.get(aug.get("auto_augment"))
+    if auto:  # the project's too: bilinear warps (nearest only with interpolation: nearest)
+        train.append(auto(interpolation=v2.InterpolationMode.BILINEAR))
+    erase = [v2.RandomErasing(aug["random_erasing"])] if aug.get("random_erasing") else []
     test = [v2.PILToTensor(), v2.Resize((cfg.image_size, cfg.image_size), antialias=True)]
-    return v2.Compose(train + norm), v2.Compose(test + norm)
+    return v2.Compose(train + norm + erase), v2.Compose(test + norm)
+
+
+def mixer(cfg: TrainConfig, num_classes: int):
+    """MixUp / CutMix on each batch (one of them, chosen per batch, when both are on), or None."""
+    ops = [op(alpha=a, num_classes=num_classes) for op, a in ((v2.MixUp, cfg.mixup_alpha), (v2.CutMix, cfg.cutmix_alpha))
+           if a > 0]
+    return v2.RandomChoice(ops) if len(ops) > 1 else (ops[0] if ops else None)
 
 
 def optimiser(model: torch.nn.Module, cfg: TrainConfig, steps_per_epoch: int):
@@ -93,12 +103,14 @@ def train(cfg: TrainConfig, params, folder: Path, workers: int) -> float:
                                          num_workers=workers, persistent_workers=workers > 0)
     model = build_model(params.model, image_size=cfg.image_size, num_classes=len(train_set.classes))
     opt, sched = optimiser(model, cfg, len(loader))
+    mix = mixer(cfg, len(train_set.classes))
     start = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
         loss_sum = correct = seen = 0
         for x, y in loader:
+            x, target = mix(x, y) if mix else (x, y)  # mixed: class probabilities
             logits = model(x)
-            loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+            loss = F.cross_entropy(logits, target, label_smoothing=cfg.label_smoothing)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip:

@@ -164,14 +164,16 @@ def test_cifar_extraction_is_all_or_nothing(tmp_path):
 
 
 def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
-    """benchmarks/plain_loop.py: the recipe's plain part trained without the pipeline's loop (README's
-    check that the loop is not what limits accuracy), on a GPU box's packages; a recipe it cannot
-    follow, or a folder without test/, is one line and exit 2."""
+    """benchmarks/plain_loop.py: the recipe (RandAugment, erasing, MixUp / CutMix included) trained without the
+    pipeline's loop (README's check that the loop is not what limits accuracy), on a GPU box's packages; a
+    recipe it cannot follow (EMA), or a folder without test/, is one line and exit 2."""
     from tests.data_helpers import make_imagefolder
 
     folder = make_imagefolder(tmp_path / "f", per_class=12, splits=["train", "test"])
     small = [f"--set={k}" for k in ("model.preset=nano", "model.depth=1", "model.num_heads=4", "pretrain.epochs=2",
-                                    "pretrain.global_batch_size=8", "pretrain.augment.hflip=0.5")]
+                                    "pretrain.global_batch_size=8", "pretrain.augment.hflip=0.5",
+                                    "pretrain.augment.auto_augment=randaugment", "pretrain.augment.random_erasing=0.5",
+                                    "pretrain.mixup_alpha=0.8", "pretrain.cutmix_alpha=1.0")]
     proc = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--workers", "0", *small)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.findall(r"^\[plain\] epoch (\d)/2 loss \d\.\d+ top1 [01]\.\d+ ", proc.stdout, re.M) == ["1", "2"]
@@ -180,7 +182,7 @@ def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
     refused = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--recipe",
                                 "configs/cifar10-1gpu.yaml")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert "pretrain.augment.auto_augment='randaugment'" in refused.stderr and "pretrain.mixup_alpha=0.8" in refused.stderr
+    assert refused.stderr.strip().endswith("the plain loop has no pretrain.ema_decay=0.9998; set them off (--set) to compare")
     (folder / "test").rename(tmp_path / "elsewhere")
     missing = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, *small)
     assert missing.returncode == 2 and f"{folder / 'test'}: no such folder" in missing.stderr
