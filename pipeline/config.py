@@ -26,6 +26,7 @@ EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 # {pretrain,finetune}.compile_mode: torch.compile's modes; the two that CUDA-graph the step cut its launch cost on a GPU
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes above that replay the step as CUDA graphs
 BACKENDS = ("ray", "local")
 INIT_SOURCES = ("pipeline", "timm", "torchvision")  # finetune.init_source: whose key layout a weights file has
 HEADS = ("auto", "new")  # finetune.head: keep the pretrained head when the classes are its own, or always new

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipeline.config import CUDAGRAPH_MODES
 from pipeline.data import make_eval_loader, make_train_loader
 from pipeline.model import ViTConfig, VisionTransformer
 from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
@@ -70,7 +71,7 @@ class Stepper:
         unwrap(model).set_grad_checkpointing(cfg.grad_checkpointing)
         self.forward = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
         # CUDA graphs replay into the same output buffers: each step must say where it begins
-        self.graphed = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+        self.graphed = cfg.compile and cfg.compile_mode in CUDAGRAPH_MODES and device.type == "cuda"
         self.micro, self.accum = accumulation(cfg.per_worker_batch, cfg.max_worker_batch)
         self.optimizer, self.scheduler = build_optimizer(
             model, lr=cfg.lr, weight_decay=cfg.weight_decay, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
