@@ -33,9 +33,10 @@ def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
     return res
 
 
-def init_ray(ray_cfg: RayConfig) -> None:
+def init_ray(ray_cfg: RayConfig, *, train: bool = True) -> None:
     """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS``, or start a quiet local one; either
-    way make sure it can hold ``ray.num_workers`` ranks before anything is submitted."""
+    way make sure it can hold ``ray.num_workers`` ranks before anything is submitted. ``train=False``
+    (plain Ray tasks): a local one without the dashboard, which only Ray Train needs (~3 s of start-up)."""
     if not ray_cfg.verbose:  # rank 0's epoch lines without "(RayTrainWorker pid=…)"; read as Ray is imported
         os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
     import ray
@@ -57,27 +58,30 @@ def init_ray(ray_cfg: RayConfig) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        _start_local(ray_cfg, kwargs)
+        _start_local(ray_cfg, kwargs, dashboard=train)
     raise_on_signals()  # ray.init replaced the SIGTERM handler with one that aborts
     if address:
         wait_for_resources(ray_cfg)
 
 
-def _start_local(ray_cfg: RayConfig, kwargs: dict) -> None:
-    """A Ray instance for this stage alone, its dashboard on a free loopback port."""
+def _start_local(ray_cfg: RayConfig, kwargs: dict, dashboard: bool) -> None:
+    """A Ray instance for this stage alone, with ``dashboard`` on a free loopback port."""
     import ray
 
     check_local_capacity(ray_cfg)
     if not ray_cfg.verbose:  # "token auth enabled by default": moot for a 127.0.0.1-only cluster
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    # cpus_per_worker may exceed the cores (a cluster recipe tried on a laptop): Ray is told it has them.
+    # address="local": a new instance even where `ray start --head` left its address for ray.init() to join.
+    cpus = max(ray_cfg.num_workers * ray_cfg.cpus_per_worker, os.cpu_count() or 1)
+    if not dashboard:
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+        return
     # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls. Its actors
     # find that API by looking for "the" Ray instance on the machine and die with a traceback when
     # there are several (another stage, a `dvc queue` worker, a head): so they are told where it is.
     port = _free_port()
     kwargs["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    # cpus_per_worker may exceed the cores (a cluster recipe tried on a laptop): Ray is told it has them.
-    # address="local": a new instance even where `ray start --head` left its address for ray.init() to join.
-    cpus = max(ray_cfg.num_workers * ray_cfg.cpus_per_worker, os.cpu_count() or 1)
     ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=port, **kwargs)
 
@@ -89,11 +93,11 @@ def _free_port() -> int:
 
 
 @contextmanager
-def ray_cluster(ray_cfg: RayConfig) -> Iterator[None]:
-    """:func:`init_ray`, and on a signal inside, leave Ray before the stage prints its last line: Ray's own
+def ray_cluster(ray_cfg: RayConfig, *, train: bool = True) -> Iterator[None]:
+    """:func:`init_ray` (``train`` as there), and on a signal inside, leave Ray before the stage prints its last line: Ray's own
     exit hook would print after it the forwarded logs of actors dying with the run (Ray Train's
     placement-group cleaner, say)."""
-    init_ray(ray_cfg)
+    init_ray(ray_cfg, train=train)
     try:
         yield
     except KeyboardInterrupt:

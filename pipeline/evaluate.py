@@ -14,34 +14,14 @@ from pipeline import storage
 from pipeline.cluster import worker_resources, world_size
 from pipeline.config import Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info
+from pipeline.inference import predict_rank, predict_split
 from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
-from pipeline.model import ViTConfig, VisionTransformer, attention_maps, load_model
+from pipeline.model import VisionTransformer, attention_maps, load_model
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.registry import model_run_tag
 from pipeline.tracking import stage_run
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text
-
-
-@torch.no_grad()
-def predict_split(model: VisionTransformer, shard_dir, split: str, *, image_size: int, batch_size: int,
-                  normalize: dict, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and labels for the samples of ``split`` that ``rank`` is responsible for."""
-    model.eval()
-    logits, labels = [], []
-    for images, y in make_eval_loader(shard_dir, split, batch_size=batch_size, image_size=image_size,
-                                      rank=rank, world_size=world_size, augment=normalize):
-        logits.append(model(images))
-        labels.append(y)
-    if not logits:
-        return torch.empty(0, model.config.num_classes), torch.empty(0, dtype=torch.long)
-    return torch.cat(logits), torch.cat(labels)
-
-
-def _predict_rank(state: dict, config: dict, shard_dir: str, split: str, kwargs: dict, rank: int, world: int):
-    model = VisionTransformer(ViTConfig.from_dict(config))
-    model.load_state_dict(state)
-    return predict_split(model, shard_dir, split, rank=rank, world_size=world, **kwargs)
 
 
 def distributed_predict(model: VisionTransformer, shard_dir, split: str, params: Params, *, image_size: int,
@@ -55,10 +35,10 @@ def distributed_predict(model: VisionTransformer, shard_dir, split: str, params:
     from pipeline.cluster import ray_cluster
 
     world = params.ray.num_workers
-    with ray_cluster(params.ray):
+    with ray_cluster(params.ray, train=False):
         state = ray.put({k: v.detach().cpu() for k, v in model.state_dict().items()})
         res = worker_resources(params.ray)
-        task = ray.remote(_predict_rank).options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0))
+        task = ray.remote(predict_rank).options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0))
         parts = ray.get([task.remote(state, model.config.to_dict(), storage.worker_path(shard_dir), split, kwargs,
                                      rank, world) for rank in range(world)])
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

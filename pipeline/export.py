@@ -20,6 +20,10 @@ from pipeline.utils import EXPORTS, METRICS, MODELS, atomic_write_json
 # The model's code travels with it; by location, not "pipeline" relative to the current directory
 # (a cluster job runs in its workspace, not in the checkout).
 PACKAGE_DIR = str(Path(__file__).resolve().parent)
+# What loading the logged model imports (its code imports torch and safetensors; pyfunc numpy), pinned
+# to this environment; MLflow adds itself. Named, not inferred: MLflow's inference imports the model
+# again in a subprocess (~10 s of every export here) and lists whatever else that loaded.
+SERVING_PACKAGES = ("torch", "safetensors", "numpy", "cloudpickle")
 
 
 def sample_images(shard_dir, n: int, image_size: int, normalize: dict) -> torch.Tensor:
@@ -66,11 +70,14 @@ def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: tor
                       run, meta: dict) -> dict:
     """Log the model (pyfunc-servable, with signature and input example), register a new version and
     say on it where it came from (:mod:`pipeline.registry`)."""
+    from importlib.metadata import version
+
     from mlflow.models import infer_signature
 
     signature = infer_signature(images[:4].numpy(), logits[:4].numpy())
     info = mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=images[:2].numpy(),
-                                    registered_model_name=name, code_paths=[PACKAGE_DIR])
+                                    registered_model_name=name, code_paths=[PACKAGE_DIR],
+                                    pip_requirements=[f"{p}=={version(p)}" for p in SERVING_PACKAGES])
     version = int(info.registered_model_version)
     record_version(mlflow.MlflowClient(), run, name, version, meta)
     return {"name": name, "version": version, "uri": f"models:/{name}/{version}"}

@@ -166,7 +166,7 @@ def test_errors_raised_on_ray_workers_are_reported_as_their_own(wrap):
 
     def wrapped(exc):
         if wrap == "task":
-            return RayTaskError("_predict_rank", "Traceback (most recent call last): ...", exc).as_instanceof_cause()
+            return RayTaskError("predict_rank", "Traceback (most recent call last): ...", exc).as_instanceof_cause()
         return WorkerGroupError("rank 0: Traceback ...", {1: RuntimeError("rank 1 saw rank 0 go"), 0: exc})
 
     bad_shard = wrapped(TarFormatError("/data/test-000001.tar: truncated tar archive (a 304-byte header)"))

@@ -399,19 +399,27 @@ def test_predict_cli_good_and_bad_files(repro, tmp_path):
 
 def test_registered_model_serves(repro, port_factory):
     """The README's promotion: an alias on version 1, then `mlflow models serve -m models:/vit-pipeline@champion`
-    answers with the fine-tuned model's logits."""
+    answers with the fine-tuned model's logits. Its requirements are the named pins, not MLflow's guesses."""
     import time
     import urllib.request
+    from importlib.metadata import version
 
+    import mlflow
     import numpy as np
     import torch
     from mlflow.tracking import MlflowClient
 
     from pipeline.data import make_eval_loader
+    from pipeline.export import SERVING_PACKAGES
     from pipeline.model import load_model
 
     repo, _ = repro
     MlflowClient(f"sqlite:///{repo}/mlflow.db").set_registered_model_alias("vit-pipeline", "champion", 1)
+    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    logged = client.get_logged_model(client.get_model_version("vit-pipeline", "1").source.removeprefix("models:/"))
+    requirements = mlflow.artifacts.download_artifacts(f"{logged.artifact_location}/requirements.txt")
+    assert sorted(Path(requirements).read_text().split()) == \
+        sorted(f"{p}=={version(p)}" for p in ("mlflow",) + SERVING_PACKAGES)
     model, meta = load_model(repo / "models/finetune")
     images, _ = next(iter(make_eval_loader(repo / "data/shards/finetune", "test", batch_size=4,
                                            image_size=meta["image_size"], rank=0, world_size=1,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.data import read_dataset_info
-from pipeline.evaluate import predict_split
+from pipeline.inference import predict_split
 from pipeline.model import load_model
 from tests.conftest import run_as_on_gpu_box
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
-from sklearn.model_selection import train_test_split
 
 SPLITS = ("train", "val", "test")
 
@@ -47,6 +46,8 @@ def take_fraction(idx: np.ndarray, labels: np.ndarray, frac: float, seed: int) -
     n_take = math.ceil(frac * idx.size)
     if n_take >= idx.size:
         raise ValueError(f"fraction {frac} of {idx.size} samples leaves nothing for the remaining split")
+    from sklearn.model_selection import train_test_split  # 2-3 s to import: only sharding pays it, not every stage
+
     y = labels[idx]
     strat = y if _can_stratify(y, n_take) else None
     rest, taken = train_test_split(idx, test_size=n_take, random_state=seed, shuffle=True, stratify=strat)
