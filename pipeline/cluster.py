@@ -36,7 +36,7 @@ def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
 def init_ray(ray_cfg: RayConfig, *, train: bool = True) -> None:
     """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS``, or start a quiet local one; either
     way make sure it can hold ``ray.num_workers`` ranks before anything is submitted. ``train=False``
-    (plain Ray tasks): a local one without the dashboard, which only Ray Train needs (~3 s of start-up)."""
+    (plain Ray tasks): a local one without the dashboard, which only Ray Train needs (~2 s of start-up)."""
     if not ray_cfg.verbose:  # rank 0's epoch lines without "(RayTrainWorker pid=…)"; read as Ray is imported
         os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
     import ray
@@ -65,7 +65,7 @@ def init_ray(ray_cfg: RayConfig, *, train: bool = True) -> None:
 
 
 def _start_local(ray_cfg: RayConfig, kwargs: dict, dashboard: bool) -> None:
-    """A Ray instance for this stage alone, with ``dashboard`` on a free loopback port."""
+    """A Ray instance for this stage alone; with ``dashboard``, its dashboard on a free loopback port."""
     import ray
 
     check_local_capacity(ray_cfg)
@@ -74,16 +74,14 @@ def _start_local(ray_cfg: RayConfig, kwargs: dict, dashboard: bool) -> None:
     # cpus_per_worker may exceed the cores (a cluster recipe tried on a laptop): Ray is told it has them.
     # address="local": a new instance even where `ray start --head` left its address for ray.init() to join.
     cpus = max(ray_cfg.num_workers * ray_cfg.cpus_per_worker, os.cpu_count() or 1)
-    if not dashboard:
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
-        return
-    # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls. Its actors
-    # find that API by looking for "the" Ray instance on the machine and die with a traceback when
-    # there are several (another stage, a `dvc queue` worker, a head): so they are told where it is.
-    port = _free_port()
-    kwargs["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=port, **kwargs)
+    if dashboard:
+        # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls. Its actors
+        # find that API by looking for "the" Ray instance on the machine and die with a traceback when
+        # there are several (another stage, a `dvc queue` worker, a head): so they are told where it is.
+        port = _free_port()
+        kwargs["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+        kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, **kwargs)
 
 
 def _free_port() -> int:
@@ -94,9 +92,9 @@ def _free_port() -> int:
 
 @contextmanager
 def ray_cluster(ray_cfg: RayConfig, *, train: bool = True) -> Iterator[None]:
-    """:func:`init_ray` (``train`` as there), and on a signal inside, leave Ray before the stage prints its last line: Ray's own
-    exit hook would print after it the forwarded logs of actors dying with the run (Ray Train's
-    placement-group cleaner, say)."""
+    """:func:`init_ray` (``train`` as there), and on a signal inside, leave Ray before the stage prints its
+    last line: Ray's own exit hook would print after it the forwarded logs of actors dying with the run
+    (Ray Train's placement-group cleaner, say)."""
     init_ray(ray_cfg, train=train)
     try:
         yield

@@ -70,14 +70,14 @@ def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: tor
                       run, meta: dict) -> dict:
     """Log the model (pyfunc-servable, with signature and input example), register a new version and
     say on it where it came from (:mod:`pipeline.registry`)."""
-    from importlib.metadata import version
+    from importlib import metadata
 
     from mlflow.models import infer_signature
 
     signature = infer_signature(images[:4].numpy(), logits[:4].numpy())
     info = mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=images[:2].numpy(),
                                     registered_model_name=name, code_paths=[PACKAGE_DIR],
-                                    pip_requirements=[f"{p}=={version(p)}" for p in SERVING_PACKAGES])
+                                    pip_requirements=[f"{p}=={metadata.version(p)}" for p in SERVING_PACKAGES])
     version = int(info.registered_model_version)
     record_version(mlflow.MlflowClient(), run, name, version, meta)
     return {"name": name, "version": version, "uri": f"models:/{name}/{version}"}

@@ -414,8 +414,8 @@ def test_registered_model_serves(repro, port_factory):
     from pipeline.model import load_model
 
     repo, _ = repro
-    MlflowClient(f"sqlite:///{repo}/mlflow.db").set_registered_model_alias("vit-pipeline", "champion", 1)
     client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    client.set_registered_model_alias("vit-pipeline", "champion", 1)
     logged = client.get_logged_model(client.get_model_version("vit-pipeline", "1").source.removeprefix("models:/"))
     requirements = mlflow.artifacts.download_artifacts(f"{logged.artifact_location}/requirements.txt")
     assert sorted(Path(requirements).read_text().split()) == \
