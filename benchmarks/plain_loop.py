@@ -64,8 +64,8 @@ def transforms(cfg: TrainConfig, aug: dict) -> tuple[v2.Compose, v2.Compose]:
 
 def mixer(cfg: TrainConfig, num_classes: int):
     """MixUp / CutMix on each batch (one of them, chosen per batch, when both are on), or None."""
-    ops = [op(alpha=a, num_classes=num_classes) for op, a in ((v2.MixUp, cfg.mixup_alpha), (v2.CutMix, cfg.cutmix_alpha))
-           if a > 0]
+    alphas = ((v2.MixUp, cfg.mixup_alpha), (v2.CutMix, cfg.cutmix_alpha))
+    ops = [op(alpha=a, num_classes=num_classes) for op, a in alphas if a > 0]
     return v2.RandomChoice(ops) if len(ops) > 1 else (ops[0] if ops else None)
 
 

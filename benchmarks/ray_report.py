@@ -77,7 +77,8 @@ def main() -> None:
     init_ray(RayConfig(num_workers=args.workers))
     stages = os.environ[REPORT_POLL_VAR]  # what init_ray left: $RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, else REPORT_POLL_S
     with tempfile.TemporaryDirectory() as storage:
-        rows = [(f"Ray's default ({DEFAULT_HEALTH_CHECK_INTERVAL_S:g} s)", measure(str(DEFAULT_HEALTH_CHECK_INTERVAL_S), args, storage)),
+        default = DEFAULT_HEALTH_CHECK_INTERVAL_S
+        rows = [(f"Ray's default ({default:g} s)", measure(str(default), args, storage)),
                 (f"the stages' ({stages} s)", measure(stages, args, storage))]
     print(f"{args.workers} ranks, {args.reports} reports {args.gap:g} s apart; time rank 0 spends in ray.train.report:")
     for name, m in rows:

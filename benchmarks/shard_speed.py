@@ -39,7 +39,8 @@ def main() -> None:
     base = rss_mb()
     c0, t0 = os.times(), time.perf_counter()
     if args.source == "imagefolder":
-        info = shard_dataset(args.out, DataConfig(source="imagefolder", root=args.data / "train", maxcount=args.maxcount))
+        data = DataConfig(source="imagefolder", root=args.data / "train", maxcount=args.maxcount)
+        info = shard_dataset(args.out, data)
     else:
         info = shard_dataset(args.out, DataConfig(source="fractals", num_classes=100, samples_per_class=50,
                                                   image_size=32, maxcount=args.maxcount))

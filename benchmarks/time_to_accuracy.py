@@ -88,7 +88,8 @@ def training_device(params: Params) -> torch.device:
     try:
         return local_device(params.ray.use_gpu)
     except ValueError as exc:
-        raise ConfigError(f"{exc}; this measures a GPU run (--set ray.use_gpu=false to smoke-test on the CPU)") from None
+        raise ConfigError(f"{exc}; this measures a GPU run (--set ray.use_gpu=false to smoke-test on the "
+                          "CPU)") from None
 
 
 def stage_shards(args: argparse.Namespace, params: Params, stages: list[str]) -> dict[str, Path]:
@@ -116,7 +117,7 @@ def train_stage(stage: str, params: Params, shard_dir: Path, info: dict, model: 
     and the model directory."""
     recipe, spec = plan_stage(stage, params, getattr(params, stage), model, shard_dir, info)
     loop = spec.loop
-    hooks = (deadline_hook(deadline, loop.steps_per_epoch, loop.checkpoint_every_epochs),) if deadline is not None else ()
+    hooks = () if deadline is None else (deadline_hook(deadline, loop.steps_per_epoch, loop.checkpoint_every_epochs),)
     result = fit(spec, params, model, step_hooks=hooks)
     model_dir = save_model(result.model, Path(params.ray.storage_path) / spec.run_name / "model",
                            extra=model_meta(stage, recipe, info, spec.run_name))

@@ -211,7 +211,8 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
     alone, fed = median["model"], median["loop"]
     print(f"\n{args.stage} of {args.recipe or args.params} on {name}: {params.model.preset} "
           f"(patch {params.model.patch_size}, {loop.image_size} px), batch {loop.per_worker_batch}, amp {loop.amp}, "
-          f"compile {loop.compile}{f' ({loop.compile_mode})' if loop.compile else ''}, {loop.loader_workers} loader workers, {args.steps} steps x {args.rounds} rounds")
+          f"compile {loop.compile}{f' ({loop.compile_mode})' if loop.compile else ''}, "
+          f"{loop.loader_workers} loader workers, {args.steps} steps x {args.rounds} rounds")
     print(f"median model alone : {alone:9.0f} img/s")
     if "eager" in median:
         print(f"median eager alone : {median['eager']:9.0f} img/s   (compile buys {alone / median['eager']:.2f}x)")
@@ -221,7 +222,8 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
     print(f"feed ratio         : {fed / alone:9.3f}   (target >= 0.9 on a GPU)")
     if args.compare_mode:
         mode_alone, mode_fed = median[args.compare_mode], median[f"loop {args.compare_mode}"]
-        print(f"{args.compare_mode} alone : {mode_alone:9.0f} img/s   ({mode_alone / alone:.2f}x the model alone above)")
+        print(f"{args.compare_mode} alone : {mode_alone:9.0f} img/s   "
+              f"({mode_alone / alone:.2f}x the model alone above)")
         print(f"{args.compare_mode} loop  : {mode_fed:9.0f} img/s   (feed ratio {mode_fed / mode_alone:.3f})")
     if device.type == "cuda":
         note = "   (the twins' steps included)" if len(median) > 3 else ""

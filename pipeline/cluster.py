@@ -117,13 +117,15 @@ def check_local_capacity(ray_cfg: RayConfig) -> None:
         return
     cpus = os.cpu_count() or 1
     if ray_cfg.num_workers > cpus:
-        raise ConfigError(f"ray.num_workers: {ray_cfg.num_workers} ranks need {ray_cfg.num_workers} processes, and this "
-                          f"machine has {cpus} CPUs (valid here: 1..{cpus}; or join a cluster with ray.address)")
+        raise ConfigError(f"ray.num_workers: {ray_cfg.num_workers} ranks need {ray_cfg.num_workers} processes, "
+                          f"and this machine has {cpus} CPUs (valid here: 1..{cpus}; or join a cluster with "
+                          "ray.address)")
     if ray_cfg.use_gpu:
         import torch
-        need, have = ray_cfg.num_workers * worker_resources(ray_cfg)["GPU"], torch.cuda.device_count()
+        per_worker = worker_resources(ray_cfg)["GPU"]
+        need, have = ray_cfg.num_workers * per_worker, torch.cuda.device_count()
         if need > have:
-            raise ConfigError(f"ray.use_gpu: ray.num_workers={ray_cfg.num_workers} x {worker_resources(ray_cfg)['GPU']:g} GPU "
+            raise ConfigError(f"ray.use_gpu: ray.num_workers={ray_cfg.num_workers} x {per_worker:g} GPU "
                               f"needs {need:g} GPU (this machine has {have}); set ray.use_gpu: false, lower "
                               f"ray.num_workers / gpus_per_worker, or join a cluster with ray.address")
 
@@ -146,10 +148,11 @@ def wait_for_resources(ray_cfg: RayConfig) -> None:
         waited = time.monotonic() - start
         what = ", ".join(f"{v:g} {k} (cluster has {h:g})" for k, (v, h) in short.items())
         if waited >= ray_cfg.resource_wait_s:
-            raise ConfigError(f"ray.num_workers={ray_cfg.num_workers} x {worker_resources(ray_cfg)} per worker needs {what} "
-                              f"after {waited:.0f} s (ray.resource_wait_s); lower ray.num_workers / cpus_per_worker / "
-                              f"gpus_per_worker, set ray.use_gpu: false, or add nodes")
+            raise ConfigError(f"ray.num_workers={ray_cfg.num_workers} x {worker_resources(ray_cfg)} per worker "
+                              f"needs {what} after {waited:.0f} s (ray.resource_wait_s); lower ray.num_workers / "
+                              f"cpus_per_worker / gpus_per_worker, set ray.use_gpu: false, or add nodes")
         if time.monotonic() >= next_report:
             next_report += WAIT_REPORT_S
-            print(f"[ray] waiting up to {ray_cfg.resource_wait_s - waited:.0f} s for the cluster to offer {what}", flush=True)
+            print(f"[ray] waiting up to {ray_cfg.resource_wait_s - waited:.0f} s for the cluster to offer {what}",
+                  flush=True)
         time.sleep(1)

@@ -83,7 +83,8 @@ def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path
         relevance = attention_rollout(attention_maps(model, images))
     gh, gw = model.config.grid_size
     maps = relevance.reshape(-1, gh, gw)
-    maps = (maps - maps.amin((1, 2), keepdim=True)) / (maps.amax((1, 2), keepdim=True) - maps.amin((1, 2), keepdim=True) + 1e-8)
+    low, high = maps.amin((1, 2), keepdim=True), maps.amax((1, 2), keepdim=True)
+    maps = (maps - low) / (high - low + 1e-8)
     mean, std = torch.tensor(normalize["mean"])[:, None, None], torch.tensor(normalize["std"])[:, None, None]
     pics = (images * std + mean).clamp(0, 1).permute(0, 2, 3, 1).numpy()
     classes = meta["classes"]

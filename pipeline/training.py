@@ -53,7 +53,8 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
                     shard_dir: str | Path, info: dict) -> dict:
     import mlflow  # here, not at the top: benchmarks/time_to_accuracy.py imports this module without MLflow
 
-    tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")), "dataset.source": info["source"]}
+    tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")),
+            "dataset.source": info["source"]}
     extra = run_params(stage, params, recipe, model, info)
     recipe, spec = plan_stage(stage, params, recipe, model, shard_dir, info)
     model_dir, metrics_file = MODELS / stage, METRICS / f"{stage}.json"
@@ -63,8 +64,10 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
                       tags=tags, resume_key=spec.run_name, system_metrics=True) as run:
         result = fit(spec, params, model, run_id=run.info.run_id)
         summary = stage_summary(result)
-        mlflow.log_metrics({k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))})
-        mlflow.set_tags({"kept_weights": result.selection.kept["source"], "kept_reason": result.selection.kept["reason"]})
+        kept = result.selection.kept
+        numbers = {k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))}
+        mlflow.log_metrics(numbers)
+        mlflow.set_tags({"kept_weights": kept["source"], "kept_reason": kept["reason"]})
         meta = {**model_meta(stage, recipe, info, result.run_name), "mlflow_run_id": run.info.run_id}
         save_model(result.model, out[model_dir], extra=meta)
         atomic_write_json(out[metrics_file], summary)
@@ -107,7 +110,8 @@ def pretrain_start(params: Params, num_classes: int) -> VisionTransformer:
     return build_model(params.model, image_size=params.pretrain.image_size, num_classes=num_classes)
 
 
-def load_finetune_start(params: Params, classes: list[str], pretrained: Path = MODELS / "pretrain") -> VisionTransformer:
+def load_finetune_start(params: Params, classes: list[str],
+                        pretrained: Path = MODELS / "pretrain") -> VisionTransformer:
     """Pretrained weights (``pretrained``: the pretrain stage's model directory, unless ``finetune.init``
     names an external file or ``scratch``) moved to the fine-tune resolution/patch, with a new head for
     ``classes`` unless ``finetune.head: auto`` and they are the pretrained model's own (a fine-tune at a

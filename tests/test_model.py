@@ -519,3 +519,25 @@ def test_finetune_keeps_the_head_only_for_the_pretrained_classes(tmp_path, capsy
     assert "keeps the pretrained head" not in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"finetune.head.*'keep'.*auto, new"):
         load_params(root / "params.yaml", overrides={"finetune.head": "keep"})
+
+
+def test_speed_benchmark_against_timm_runs():
+    """``benchmarks/model_speed.py`` (the README's figures against timm), shrunk to the nano case, with
+    its noise control and kernel breakdown: both modes timed for ours, timm and the copy, same logits."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/model_speed.py", "--cases", "nano", "--rounds", "2",
+                           "--budget", "5", "--threads", "1", "--control", "--breakdown"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for mode in ("train", "infer"):
+        row = re.search(rf"nano 16px/p4 b128 +{mode} +([\d.]+) +([\d.]+) +([\d.]+)x .*ours-copy: ([\d.]+) img/s",
+                        proc.stdout)
+        assert row and min(float(v) for v in row.groups()) > 0, proc.stdout
+        parts = re.findall(rf"nano 16px/p4 b128 +{mode} (ours|timm|ours-copy) +matmul\+conv +([\d.]+) ms", proc.stdout)
+        assert sorted(name for name, _ in parts) == ["ours", "ours-copy", "timm"], proc.stdout
+    diff = float(re.search(r"max \|logit diff\| ours vs timm \(same weights\): (\S+)", proc.stdout)[1])
+    assert diff < 1e-4  # the same function: the speed ratio compares like with like

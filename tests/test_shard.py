@@ -459,3 +459,23 @@ def test_pixel_stats_are_the_train_split_stats(tmp_path):
     np.testing.assert_allclose(info["pixel_stats"]["mean"], mean, atol=2e-6)
     np.testing.assert_allclose(info["pixel_stats"]["std"], std, atol=2e-6)
     assert len(set(info["pixel_stats"]["mean"])) == 3  # colour images: the channels differ
+
+
+def test_shard_benchmark_runs_on_a_small_imagefolder(tmp_path):
+    """``benchmarks/shard_speed.py`` (the README's sharding figure), shrunk: an ImageFolder given as ``--data``
+    (so no CIFAR-10 tarball is extracted) sharded by the stage's code, the rate and peak RSS printed."""
+    import re
+
+    make_imagefolder(tmp_path / "data", splits=["train"], per_class=10)
+    proc = subprocess.run([sys.executable, "benchmarks/shard_speed.py", "--data", tmp_path / "data",
+                           "--out", tmp_path / "out", "--maxcount", "8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rate = re.search(r"imagefolder: (\d+) images -> (\d+) shards \(\d+ MB\) in [\d.]+ s = (\d+) img/s wall",
+                     proc.stdout)
+    assert rate, proc.stdout
+    info = read_dataset_info(tmp_path / "out")
+    assert int(rate[1]) == sum(info["counts"].values()) == 30  # every image, in train / val / test
+    assert int(rate[2]) == sum(len(v) for v in info["shards"].values()) == len(list((tmp_path / "out").glob("*.tar")))
+    assert int(rate[3]) > 0
+    assert re.search(r"peak RSS \d+ MB \(after imports \d+ MB; sharding adds -?\d+ MB\)", proc.stdout), proc.stdout

@@ -154,8 +154,8 @@ class _SplitWriter:
             self.writer.close()
             self.writer = None
         folder = Path(self.pattern).parent
-        return [{"name": name, "count": count, "bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-                for name, count in self.counts.items()]
+        return [{"name": name, "count": count, "bytes": (folder / name).stat().st_size,
+                 "sha256": _sha256(folder / name)} for name, count in self.counts.items()]
 
 
 def _sha256(path: Path) -> str:

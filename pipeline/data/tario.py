@@ -31,7 +31,8 @@ def _number(field: bytes, url: str) -> int:
     try:
         return int(field.strip(b" \0") or b"0", 8)
     except ValueError:
-        raise TarFormatError(f"{url}: corrupt tar header (number field {field!r}): not a tar archive, or damaged") from None
+        raise TarFormatError(f"{url}: corrupt tar header (number field {field!r}): not a tar archive, "
+                             "or damaged") from None
 
 
 def _read(stream: IO[bytes], n: int, url: str, what: str) -> bytes:
@@ -60,7 +61,8 @@ def _pax_path(records: bytes) -> str | None:
     return None
 
 
-def tar_members(stream: IO[bytes], url: str, *, skip_data: bool = False) -> Iterator[tuple[str, bytes | None, int, int]]:
+def tar_members(stream: IO[bytes], url: str, *,
+                skip_data: bool = False) -> Iterator[tuple[str, bytes | None, int, int]]:
     """``(name, data, offset, size)`` of every regular file in a tar stream, in archive order.
 
     With ``skip_data`` (a seekable file) the members' bytes are seeked over, not read, and ``data``

@@ -115,7 +115,8 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     from pipeline.tracking import resolve_tracking_uri
 
     storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
-    run_dir = None if storage_fs is not None or storage.is_url(storage_path) else str(Path(storage_path) / spec.run_name)
+    remote = storage_fs is not None or storage.is_url(storage_path)
+    run_dir = None if remote else str(Path(storage_path) / spec.run_name)
     run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=resolve_tracking_uri(params.tracking_uri),
                   resume_from=latest_checkpoint(run_dir) if run_dir else None, staging_dir=run_dir,
                   step_hooks=step_hooks_from_env() + tuple(step_hooks))
@@ -161,7 +162,8 @@ def check_finished(spec: RunSpec, final: dict | None) -> None:
         return
     s = spec.stage
     where = ("before its first checkpoint" if final is None else  # epochs count from 1, as the epoch lines do
-             f"after its last checkpoint (step {final['step']}, epoch {final['epoch'] + bool(final['batch_in_epoch'])})")
+             f"after its last checkpoint (step {final['step']}, "
+             f"epoch {final['epoch'] + bool(final['batch_in_epoch'])})")
     raise TrainingDiverged(
         f"{s} run {spec.run_name} diverged {where}: the loss and the weights are no longer finite, and nothing "
         f"was saved; lower {s}.lr, lengthen {s}.warmup_epochs, set {s}.grad_clip, or use {s}.amp: bf16 rather "
@@ -180,7 +182,8 @@ def _fit_local(spec: RunSpec, run: LoopRun, params: Params, run_dir: str) -> tup
     return (load_state(checkpoint), checkpoint) if checkpoint else (None, None)
 
 
-def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str, storage_fs) -> tuple[dict | None, str | None]:
+def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str,
+             storage_fs) -> tuple[dict | None, str | None]:
     """The final checkpoint's state and where it is (None, None without one)."""
     from pipeline.cluster import ray_cluster
 
