@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from contextlib import closing, contextmanager
@@ -202,24 +203,39 @@ def _param_value(v: Any) -> str:
 
 
 class RunLogger:
-    """Logs metrics into an existing run by id: used from Ray workers (rank 0 only)."""
+    """Logs metrics and tags into an existing run by id: rank 0 of a training run, while it trains.
+
+    Writes go through MLflow's asynchronous logging, so the loop never waits on the tracking store
+    (a write to a local SQLite store took ~10 ms here, about as long as a whole train step of the
+    CIFAR-10 recipe on an H200); :meth:`close` waits for them all and raises what failed.
+    """
 
     def __init__(self, tracking_uri: str, run_id: str):
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri)
-        self.run_id = run_id
+        self.client, self.run_id = MlflowClient(tracking_uri), run_id
+        self._pending: list = []  # MLflow's RunOperations, one per write
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch)
+        self._log([Metric(k, float(v), now, step) for k, v in metrics.items()], [])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self._log([], [RunTag(k, v) for k, v in tags.items()])
+
+    def _log(self, metrics: list, tags: list) -> None:
+        self._pending.append(self.client.log_batch(self.run_id, metrics=metrics, tags=tags, synchronous=False))
+
+    def close(self, *, check: bool = True) -> None:
+        """Wait until every write is in the store; with ``check``, raise if any failed."""
+        pending, self._pending = self._pending, []
+        for operations in pending:
+            try:
+                operations.wait()
+            except Exception:
+                if check:
+                    raise

@@ -52,6 +52,7 @@ def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
             logger = RunLogger(tracking_uri, run.info.run_id)
             for epoch, (loss, top1) in enumerate(curve, 1):
                 logger.log_metrics({"train_loss": loss, "val_top1": top1}, step=epoch * 19)
+            logger.close()  # as the loop does before it returns: every write in the store
         ids.append(run.info.run_id)
     return ids
 

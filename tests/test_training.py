@@ -177,6 +177,33 @@ def test_damaged_sqlite_store_is_named(tmp_path):
             check_tracking_uri(f"sqlite:///{store}")
 
 
+def test_rank_zero_logger_writes_everything_before_close_returns_and_names_a_failed_write(tmp_path):
+    """The loop's MLflow writes are asynchronous (they never hold up a step): after ``close`` every
+    metric is in the store, in order, with its tags; a write that failed is raised by ``close``."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import RunLogger
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("logger")).info.run_id
+    logger = RunLogger(uri, run_id)
+    logger.set_tags({"env.host": "rank-0-node"})
+    for step in range(1, 51):
+        logger.log_metrics({"train_loss_step": 1 / step, "lr_step": torch.tensor(0.5)}, step=step)
+    logger.close()
+    history = client.get_metric_history(run_id, "train_loss_step")
+    assert [(m.step, m.value) for m in history] == [(s, 1 / s) for s in range(1, 51)]
+    assert len(client.get_metric_history(run_id, "lr_step")) == 50
+    assert client.get_run(run_id).data.tags["env.host"] == "rank-0-node"
+
+    missing = RunLogger(uri, "f" * 32)  # no such run: the write fails in MLflow's logging thread
+    missing.log_metrics({"train_loss_step": 1.0}, step=1)
+    with pytest.raises(MlflowException, match="f" * 32):
+        missing.close()
+
+
 def test_accumulation_arithmetic():
     assert accumulation(32, None) == (32, 1)
     assert accumulation(32, 32) == (32, 1)

@@ -14,8 +14,9 @@ import logging
 import math
 import random
 import time
+from contextlib import contextmanager
 from itertools import islice
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.optim import accumulation, build_optimizer
 from pipeline.train.techniques import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
 from pipeline.train.selection import Selection
+
+if TYPE_CHECKING:
+    from pipeline.tracking import RunLogger
 
 
 def _all_reduce(values: list[float | torch.Tensor], device: torch.device) -> list[float]:
@@ -198,7 +202,6 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
               f"step {progress.step}", flush=True)
     if finished:
         return
-    logger = _run_logger(run, ctx)
     extra = {"config": cfg.model, "train_config": dataclasses.asdict(cfg)}
     batches, val_loader = _loaders(cfg, ctx, progress)
     run_start, start_step = time.time(), progress.step
@@ -207,33 +210,34 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     def checkpoint(metrics: dict) -> None:
         save_and_report(metrics, ctx=ctx, objects=objects, progress=progress, extra=extra)
 
-    for epoch in range(progress.epoch, cfg.epochs):
-        t0 = time.time()
-        totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, hooks, checkpoint)
-        if totals is None:  # diverged, on every rank alike: the driver finds the run short of its end
-            return
-        metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0)
-        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
-            metrics.update(_evaluate(cfg, ctx, stepper, val_loader))
-        now = time.time()
-        selection.wall_time_s, clock = selection.wall_time_s + now - clock, now
-        metrics.update(wall_time_s=selection.wall_time_s,
-                       images_seen=progress.step * cfg.per_worker_batch * ctx.world_size)
-        if "val_top1" in metrics:
-            _select(selection, metrics, stepper, keep_weights=ctx.rank == 0, last=epoch + 1 == cfg.epochs)
-        progress.history.append(metrics)
-        progress.epoch, progress.batch_in_epoch = epoch + 1, 0
-        if ctx.rank == 0:
-            _print_epoch(cfg, metrics, eta=(time.time() - run_start) / max(1, progress.step - start_step)
-                         * (cfg.epochs * cfg.steps_per_epoch - progress.step))
-            _log_epoch(logger, metrics, progress.step)
-        if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == cfg.epochs or selection.stopped:
-            checkpoint(metrics)
-        if selection.stopped:
+    with _run_logger(run, ctx) as logger:
+        for epoch in range(progress.epoch, cfg.epochs):
+            t0 = time.time()
+            totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, hooks, checkpoint)
+            if totals is None:  # diverged, on every rank alike: the driver finds the run short of its end
+                return
+            metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0)
+            if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
+                metrics.update(_evaluate(cfg, ctx, stepper, val_loader))
+            now = time.time()
+            selection.wall_time_s, clock = selection.wall_time_s + now - clock, now
+            metrics.update(wall_time_s=selection.wall_time_s,
+                           images_seen=progress.step * cfg.per_worker_batch * ctx.world_size)
+            if "val_top1" in metrics:
+                _select(selection, metrics, stepper, keep_weights=ctx.rank == 0, last=epoch + 1 == cfg.epochs)
+            progress.history.append(metrics)
+            progress.epoch, progress.batch_in_epoch = epoch + 1, 0
             if ctx.rank == 0:
-                print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
-                      f"{selection.best:.4f} for {cfg.early_stop_patience} evaluation(s)", flush=True)
-            break
+                _print_epoch(cfg, metrics, eta=(time.time() - run_start) / max(1, progress.step - start_step)
+                             * (cfg.epochs * cfg.steps_per_epoch - progress.step))
+                _log_epoch(logger, metrics, progress.step)
+            if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == cfg.epochs or selection.stopped:
+                checkpoint(metrics)
+            if selection.stopped:
+                if ctx.rank == 0:
+                    print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
+                          f"{selection.best:.4f} for {cfg.early_stop_patience} evaluation(s)", flush=True)
+                break
 
 
 def _model(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> torch.nn.Module:
@@ -243,16 +247,23 @@ def _model(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> torch.nn.Module:
     return ctx.prepare_model(model)
 
 
-def _run_logger(run: LoopRun, ctx: TrainContext):
-    """Rank 0 logs into the stage's MLflow run by id (the driver owns the run), and replaces the
-    driver's ``env.*`` tags with its own."""
+@contextmanager
+def _run_logger(run: LoopRun, ctx: TrainContext) -> Iterator[RunLogger | None]:
+    """Rank 0 logs into the stage's MLflow run by id (the driver owns the run), replaces the driver's
+    ``env.*`` tags with its own, and has every write in the store before the loop returns."""
     if ctx.rank != 0 or not run.run_id:
-        return None
+        yield None
+        return
     from pipeline.environment import describe
     from pipeline.tracking import RunLogger
     logger = RunLogger(run.tracking_uri, run.run_id)
     logger.set_tags(describe(ctx.device))  # where the training computes, which may not be the driver's node
-    return logger
+    try:
+        yield logger
+    except BaseException:
+        logger.close(check=False)  # the loop's own error is the one to report
+        raise
+    logger.close()
 
 
 def _log_epoch(logger, metrics: dict, step: int) -> None:
