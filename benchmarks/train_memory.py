@@ -125,8 +125,8 @@ def report(args, device: torch.device, median: dict[bool, tuple[float, int]]) ->
     print(f"train step of {args.preset}/{args.patch_size} at {args.image_size} px on {name}: batch {args.batch}, "
           f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}, {args.steps} steps x {args.rounds} rounds, median")
     (speed_off, mem_off), (speed_on, mem_on) = median[False], median[True]
-    print(f"without checkpointing : {speed_off:9.1f} img/s   step memory {mem_off / 2**20:9.1f} MiB")
-    print(f"with checkpointing    : {speed_on:9.1f} img/s   step memory {mem_on / 2**20:9.1f} MiB")
+    print(f"without checkpointing : {speed_off:9.1f} img/s   step memory {mem_off / 2**20:9.3f} MiB")
+    print(f"with checkpointing    : {speed_on:9.1f} img/s   step memory {mem_on / 2**20:9.3f} MiB")
     print(f"checkpointing         : {mem_off / max(mem_on, 1):9.2f}x less step memory at "
           f"{speed_on / speed_off:.2f}x the speed")
 
