@@ -6,8 +6,9 @@ and every sample's augmentation is seeded by (seed, epoch, pass, key). So W = 1 
 with the same global batch, seed and num_streams see the same samples, with the same pixels, in
 every global step. Every rank yields exactly ``steps_per_epoch`` full batches (streams cycle), and
 ranks read disjoint shards when there are at least num_streams of them. DataLoader workers take
-turns at whole steps, so any worker count gives the same batches. Workers ship uint8 pixels; the
-training device converts, normalises and finishes the augmentation (:mod:`.device_augment`).
+turns at whole steps, so any worker count gives the same batches. Workers crop, flip and
+auto-augment and ship uint8 pixels; the training device converts, normalises and erases
+(:mod:`.device_augment`).
 Eval: every sample of a split exactly once across ranks. Readers (rank x worker) split at shard
 level when there are enough shards, else by key index modulo the number of readers, so a small
 split still divides exactly.
@@ -166,8 +167,8 @@ PREFETCH = 4  # batches each DataLoader worker has in flight (DataLoader's prefe
 
 
 class TrainBatch(NamedTuple):
-    """One rank's step as a loader worker ships it: uint8 pixels (cropped and flipped) plus the
-    per-sample draws of the device-side augmentation (see :class:`.device_augment.DeviceAugment`)."""
+    """One rank's step as a loader worker ships it: uint8 pixels (cropped, flipped, auto-augmented) plus
+    the per-sample draws left for the device (erasing; see :class:`.device_augment.DeviceAugment`)."""
 
     images: torch.Tensor             # uint8 [B, 3, H, W]
     labels: torch.Tensor             # int64 [B]
@@ -218,6 +219,7 @@ class _TrainSteps(IterableDataset):
         seeds = [sample_seeds(self.seed, epoch, s["__pass__"], s["__key__"]) for s in raw]
         images = torch.stack(self.transform.seeded([img for img, _ in decoded], [a for a, _ in seeds]))
         params = self.device_augment.draw([d for _, d in seeds], *images.shape[-2:])
+        images, params = self.device_augment.on_host(images, params)
         labels = torch.tensor([label for _, label in decoded], dtype=torch.int64)
         return TrainBatch(images, labels, params, [s["__key__"] for s in raw] if self.return_keys else None)
 
@@ -225,7 +227,7 @@ class _TrainSteps(IterableDataset):
 def _on_device(batches: Iterator[TrainBatch], augment: DeviceAugment, device: torch.device,
                return_keys: bool) -> Iterator[tuple]:
     """Copy each batch to ``device`` (non-blocking from pinned memory on CUDA) and finish the
-    augmentation there: the CPU ships uint8, the device converts, normalises and augments."""
+    augmentation there: the CPU ships uint8, the device converts, normalises and erases."""
     cuda = device.type == "cuda"
     for batch in batches:
         if cuda and not batch.images.is_pinned():  # DataLoader workers pin already (pin_memory=True)
@@ -233,7 +235,7 @@ def _on_device(batches: Iterator[TrainBatch], augment: DeviceAugment, device: to
                                {k: v.pin_memory() for k, v in batch.params.items()}, batch.keys)
         x = batch.images.to(device, non_blocking=cuda)
         y = batch.labels.to(device, non_blocking=cuda)
-        x = augment(x, batch.params)  # the draws stay on the host: it groups the samples by op there
+        x = augment(x, batch.params)
         yield (x, y, batch.keys) if return_keys else (x, y)
 
 

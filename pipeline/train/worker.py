@@ -98,12 +98,12 @@ class Stepper:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        if self.graphed:  # one replay path per optimizer step, micro batches included (marking each micro
+            torch.compiler.cudagraph_mark_step_begin()  # batch failed on an H100: see the CUDA test)
         for i in range(self.accum):
             sl = slice(i * self.micro, (i + 1) * self.micro)
             last = i == self.accum - 1
             sync = self.model.no_sync() if (not last and hasattr(self.model, "no_sync")) else torch.enable_grad()
-            if self.graphed:  # each micro batch's forward + backward is one replay
-                torch.compiler.cudagraph_mark_step_begin()
             with sync, autocast(self.device, self.dtype):
                 logits = self.forward(images[sl]).float()
                 loss = soft_cross_entropy(logits, targets[sl], self.cfg.label_smoothing)
