@@ -1,4 +1,5 @@
-"""DeviceAugment: the batched device-side augmentation against torchvision's per-image ops."""
+"""DeviceAugment: the batched train augmentation (auto-augment in the loader worker, the rest on the
+device) against torchvision's per-image ops."""
 from __future__ import annotations
 
 import math
@@ -73,6 +74,18 @@ def test_deterministic_and_per_sample(augment):
     assert torch.equal(aug(x[5:9], aug.draw(seeds[5:9], H, W)), out[5:9])
     alone = [aug(x[k:k + 1], aug.draw(seeds[k:k + 1], H, W)) for k in range(32)]  # each op's group of one
     assert torch.equal(torch.cat(alone), out)
+
+
+@pytest.mark.parametrize("augment", [RA, TA, {"auto_augment": "randaugment"}, {"random_erasing": 0.5}, None])
+def test_worker_part_then_device_part_is_the_whole(augment):
+    """The loader worker runs ``on_host`` (the auto-augment ops, uint8) and the device the rest: together
+    the same pixels as the whole augmentation in one place, with only erasing's draws left to ship."""
+    aug, x = DeviceAugment(augment), _images(32)
+    params = aug.draw(range(32), H, W)
+    images, rest = aug.on_host(x, params)
+    assert set(rest) == {"erase"} & set(params) and images.dtype == torch.uint8
+    assert torch.equal(aug(images, rest), aug(x, params))
+    assert torch.equal(images, x) == ("op" not in params)
 
 
 def _torchvision_op(name: str, img: torch.Tensor, m: float, interp) -> torch.Tensor:
