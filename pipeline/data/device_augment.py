@@ -9,10 +9,11 @@ around it, and the ops give the same pixels on a CPU and a GPU (tests). Each op 
 that drew it only, grouped from the draws, so a batch does one op's work per sample and slot.
 
 Why the auto-augment runs on the CPU (measured on one H100 with 16 cores, 2026-11-26): on the GPU
-its ~40 small launches per batch cost ~12 ms of host time whatever the batch size, more than a
-whole compiled step at batch 128, and the loop fed 6,400-6,700 img/s against 16,000-17,000 for the
-CUDA-graphed model alone. On one CPU core the batched ops take ~6 ms per 128 images (this 2-core
-machine), and the loader workers share that out.
+its many small launches per batch (38 ``index_select`` calls alone, profiled) cost ~12 ms of host
+time whatever the batch size, more than a whole compiled step at batch 128, and the loop fed
+6,400-6,700 img/s against 16,000-17,000 for the CUDA-graphed model alone. On one CPU core the
+batched ops take ~6 ms per 128 images (a 2-core Intel Xeon with AVX-512), and the loader workers
+share that out.
 """
 from __future__ import annotations
 
