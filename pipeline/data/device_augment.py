@@ -225,8 +225,7 @@ class DeviceAugment:
     def __call__(self, images: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """uint8 [B, 3, H, W] and :meth:`draw`'s params (what :meth:`on_host` left, or all of them), on
         the host (pinned where the loader pins them; copied here) -> float32, normalised."""
-        if "op" in params:
-            images = self.auto_augment_batch(images, params["op"], params["magnitude"])
+        images, params = self.on_host(images, params)  # nothing left to do when the loader worker did it
         x = self.normalize(images)
         if "erase" in params:
             top, left, h, w = (_col(v) for v in _to_device(params["erase"], x.device).unbind(1))
