@@ -19,6 +19,8 @@ import argparse
 import collections
 import copy
 import dataclasses
+import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -104,6 +106,50 @@ def measure(args, stepper: Stepper, twins: dict[str, Stepper], batches, drain: i
     return got
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of processes ``pids`` so far (Linux ``/proc``; 0 where unreadable)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def input_scaling(loop: LoopConfig, device: torch.device, counts: list[int], steps: int) -> None:
+    """Images/s of the input alone (tars -> loader workers -> copy -> device augmentation, no step)
+    for each loader-worker count, in the steady state: the first epoch (each worker indexes the tar
+    headers of every shard once) and the workers' first queue are taken untimed. Beside it the CPU
+    time per batch of this process (its main thread, the pin-memory thread, the copies and launches)
+    and of the workers: this process's close to the wall time per batch means it bounds the input;
+    the workers' (summed) close to count x the wall time means they do."""
+    print(f"\ninput alone by loader workers ({steps} steps each after {loop.steps_per_epoch} untimed, "
+          f"batch {loop.per_worker_batch}):")
+    print(f"{'workers':>8} {'img/s':>9} {'per worker':>11} {'ms/batch':>9} {'main CPU':>9} {'workers CPU':>12}")
+    for count in counts:
+        warm = max(loop.steps_per_epoch, count * PREFETCH)
+        batches = iter(make_train_loader(
+            loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
+            steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-(warm + steps) // loop.steps_per_epoch) - 1,
+            rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=count, device=device))
+        for _ in range(warm):
+            next(batches)
+        workers = [p.pid for p in multiprocessing.active_children()]
+        sync(device)
+        t0, main0, kids0 = time.perf_counter(), time.process_time(), cpu_seconds(workers)
+        for _ in range(steps):
+            next(batches)
+        sync(device)
+        wall, main, kids = time.perf_counter() - t0, time.process_time() - main0, cpu_seconds(workers) - kids0
+        del batches  # the DataLoader's workers exit
+        per = 1e3 / steps
+        print(f"{count:>8} {steps * loop.per_worker_batch / wall:>9.0f} "
+              f"{steps * loop.per_worker_batch / wall / max(count, 1):>11.0f} {wall * per:>9.1f} "
+              f"{main * per:>9.1f} {kids * per:>12.1f}", flush=True)
+
+
 RANGES = ("input", "train_step")  # the profile's own record_function ranges
 
 
@@ -163,6 +209,17 @@ def profile(stepper: Stepper, batches, steps: int, out: Path) -> None:
     print(f"trace: {out / 'trace.json'}")
 
 
+def worker_counts(value: str) -> list[int]:
+    """``--input-scaling``'s value: comma-separated loader-worker counts, each >= 0."""
+    try:
+        counts = [int(c) for c in value.split(",")]
+    except ValueError:
+        counts = [-1]
+    if min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated worker counts >= 0, e.g. 1,4,8,15")
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
@@ -181,6 +238,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="then profile --profile-steps full-loop steps: host and device time, top ops, DIR/trace.json")
     ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--input-scaling", type=worker_counts, metavar="COUNTS",
+                    help="instead: the input alone for each loader-worker count in COUNTS (e.g. 1,4,8,15), "
+                         "with the CPU time per batch of this process and of the workers")
     args = ap.parse_args()
 
     try:
@@ -198,6 +258,8 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
     loop = plan_stage(args.stage, params, cfg, model, shard_dir, info)[1].loop  # as the stage plans its run
+    if args.input_scaling:
+        return input_scaling(loop, device, args.input_scaling, args.steps)
     drain = loop.loader_workers * PREFETCH
     stepper = Stepper(model.to(device), loop, device)
     twins = {"eager": twin(stepper, loop, compile=False)} if args.compare_eager and loop.compile else {}
