@@ -137,7 +137,7 @@ class FinetuneConfig(TrainConfig):
     """
 
     image_size: int = 32
-    epochs: int = 15
+    epochs: int = 40
     warmup_epochs: float = 1.0
     patch_size: Optional[int] = None
     interpolation: Interpolation = field(default_factory=Interpolation)
