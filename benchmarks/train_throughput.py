@@ -106,6 +106,14 @@ def measure(args, stepper: Stepper, twins: dict[str, Stepper], batches, drain: i
     return got
 
 
+def train_batches(loop: LoopConfig, device: torch.device, steps: int, num_workers: int):
+    """At least ``steps`` of the stage's train batches from epoch 0, as its one rank would get them, on ``device``."""
+    return iter(make_train_loader(
+        loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
+        steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-steps // loop.steps_per_epoch) - 1,
+        rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=num_workers, device=device))
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of processes ``pids`` so far (Linux ``/proc``; 0 where unreadable)."""
     total = 0
@@ -130,23 +138,16 @@ def input_scaling(loop: LoopConfig, device: torch.device, counts: list[int], ste
     print(f"{'workers':>8} {'img/s':>9} {'per worker':>11} {'ms/batch':>9} {'main CPU':>9} {'workers CPU':>12}")
     for count in counts:
         warm = max(loop.steps_per_epoch, count * PREFETCH)
-        batches = iter(make_train_loader(
-            loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
-            steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-(warm + steps) // loop.steps_per_epoch) - 1,
-            rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=count, device=device))
+        batches = train_batches(loop, device, warm + steps, count)
         for _ in range(warm):
             next(batches)
         workers = [p.pid for p in multiprocessing.active_children()]
-        sync(device)
-        t0, main0, kids0 = time.perf_counter(), time.process_time(), cpu_seconds(workers)
-        for _ in range(steps):
-            next(batches)
-        sync(device)
-        wall, main, kids = time.perf_counter() - t0, time.process_time() - main0, cpu_seconds(workers) - kids0
+        main0, kids0 = time.process_time(), cpu_seconds(workers)
+        rate = timed(device, steps, loop.per_worker_batch, lambda: next(batches))
+        main, kids = time.process_time() - main0, cpu_seconds(workers) - kids0
         del batches  # the DataLoader's workers exit
         per = 1e3 / steps
-        print(f"{count:>8} {steps * loop.per_worker_batch / wall:>9.0f} "
-              f"{steps * loop.per_worker_batch / wall / max(count, 1):>11.0f} {wall * per:>9.1f} "
+        print(f"{count:>8} {rate:>9.0f} {rate / max(count, 1):>11.0f} {loop.per_worker_batch / rate * 1e3:>9.1f} "
               f"{main * per:>9.1f} {kids * per:>12.1f}", flush=True)
 
 
@@ -267,10 +268,7 @@ def main() -> None:
         twins[args.compare_mode] = twin(stepper, loop, compile=True, compile_mode=args.compare_mode)
     steps_needed = (args.rounds * ((3 + len(twins)) * args.steps + drain) + 8 * (1 + len(twins))
                     + (args.profile_steps if args.profile else 0))
-    batches = iter(make_train_loader(
-        loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
-        steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-steps_needed // loop.steps_per_epoch) - 1,
-        rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=loop.loader_workers, device=device))
+    batches = train_batches(loop, device, steps_needed, loop.loader_workers)
     got = measure(args, stepper, twins, batches, drain)
     peak_memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0  # before the FLOP count's step
     uncompiled = twins.get("eager") or (twin(stepper, loop, compile=False) if loop.compile else stepper)
