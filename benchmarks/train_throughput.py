@@ -35,7 +35,7 @@ from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import COMPILE_MODES, ConfigError, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
 from pipeline.data.loader import PREFETCH  # noqa: E402
-from pipeline.environment import device_name  # noqa: E402
+from pipeline.environment import cpu_name, device_name  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.loop_config import LoopConfig  # noqa: E402
@@ -134,7 +134,7 @@ def input_scaling(loop: LoopConfig, device: torch.device, counts: list[int], ste
     and of the workers: this process's close to the wall time per batch means it bounds the input;
     the workers' (summed) close to count x the wall time means they do."""
     print(f"\ninput alone by loader workers ({steps} steps each after {loop.steps_per_epoch} untimed, "
-          f"batch {loop.per_worker_batch}):")
+          f"batch {loop.per_worker_batch}; the workers run on {cpu_name()}):")
     print(f"{'workers':>8} {'img/s':>9} {'per worker':>11} {'ms/batch':>9} {'main CPU':>9} {'workers CPU':>12}")
     for count in counts:
         warm = max(loop.steps_per_epoch, count * PREFETCH)

@@ -34,9 +34,29 @@ def packages_digest(listing: str) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()[:12]
 
 
+CGROUP_CPU_LIMITS = (Path("/sys/fs/cgroup/cpu.max"),  # cgroup v2: "<quota> <period>" or "max <period>"
+                     Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"))  # v1: the quota (-1: none), cpu.cfs_period_us beside
+
+
+def cpu_quota() -> float | None:
+    """CPUs' worth of time the container's cgroup allows per period, or None where it sets no limit (or
+    says nothing). A container can show 16 cores to ``sched_getaffinity`` yet allow 8 CPUs of time:
+    loader workers past the quota then slow each other down instead of adding throughput."""
+    v2, v1 = CGROUP_CPU_LIMITS
+    try:
+        if v2.exists():
+            quota, period = v2.read_text().split()[:2]
+        else:
+            quota, period = v1.read_text().strip(), (v1.parent / "cpu.cfs_period_us").read_text().strip()
+        return None if quota in ("max", "-1") else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
 def cpu_name() -> str:
-    """The CPU model, the cores this process may use, and whether the CPU has AVX-512 (its kernels
-    round differently, which is what moves the digits figure above)."""
+    """The CPU model, the cores this process may use (and the cgroup's CPU quota where it is lower),
+    and whether the CPU has AVX-512 (its kernels round differently, which is what moves the digits
+    figure above)."""
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's entries
@@ -48,7 +68,9 @@ def cpu_name() -> str:
     flags = set(info["flags"].split()) if "flags" in info else None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     simd = "" if flags is None else ", AVX-512" if "avx512f" in flags else ", no AVX-512"
-    return f"{model} ({cores} cores{simd})"
+    quota = cpu_quota()
+    limit = f", a cgroup quota of {quota:g} CPUs" if quota is not None and quota < (cores or 0) else ""
+    return f"{model} ({cores} cores{limit}{simd})"
 
 
 def device_name(device: torch.device) -> str:

@@ -289,7 +289,8 @@ def test_input_scaling_reports_each_worker_count(digits_dir):
     proc = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "6",
                              "--input-scaling", "0,2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"input alone by loader workers \(6 steps each after \d+ untimed, batch 64\)", proc.stdout)
+    assert re.search(r"input alone by loader workers \(6 steps each after \d+ untimed, batch 64; the workers run "
+                     r"on .+ \(\d+ cores.*\)\):", proc.stdout)
     rows = {int(r[0]): [float(v) for v in r[1:]] for r in (line.split() for line in proc.stdout.splitlines())
             if len(r) == 6 and r[0].isdigit()}
     assert sorted(rows) == [0, 2]

@@ -82,6 +82,33 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
     assert profile["num_samples"] == info["counts"]["test"] and profile["counts_per_split"] == info["counts"]
 
 
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "800000 100000\n"}, 8.0),                     # cgroup v2, a limit
+    ({"cpu.max": "max 100000\n"}, None),                       # v2, none
+    ({"cpu/cpu.cfs_quota_us": "150000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1.5),  # v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),                                                 # neither: not a container we can read
+])
+def test_cpu_quota_reads_either_cgroup_layout_and_is_named_where_it_is_lower(tmp_path, monkeypatch, files, quota):
+    """A container can show every core to ``sched_getaffinity`` and still allow fewer CPUs of time; the
+    benchmark's worker table and the ``env.device`` tag then say so."""
+    import os
+
+    from pipeline import environment
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(environment, "CGROUP_CPU_LIMITS", (tmp_path / "cpu.max", tmp_path / "cpu/cpu.cfs_quota_us"))
+    assert environment.cpu_quota() == quota
+    cores = len(os.sched_getaffinity(0))
+    named = quota is not None and quota < cores
+    assert ("cgroup quota" in environment.cpu_name()) == named
+    if named:
+        assert f"a cgroup quota of {quota:g} CPUs" in environment.cpu_name()
+    assert f"({cores} cores" in environment.cpu_name()
+
+
 def test_every_stage_run_records_what_it_computed_on(workdir):
     """``env.*`` tags (device, torch build, Python, host, package digest), the package list as an
     artifact whose digest is the tag, and ``<stage>.device`` on the pipeline run."""
