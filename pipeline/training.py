@@ -40,13 +40,11 @@ def run_params(stage: str, params: Params, recipe: TrainConfig, model: VisionTra
 
 
 def plan_stage(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer, shard_dir: str | Path,
-               info: dict, extra: dict | None = None) -> tuple[TrainConfig, RunSpec]:
+               info: dict) -> tuple[TrainConfig, RunSpec]:
     """The stage's recipe with the dataset's mean/std filled in ("dataset" -> numbers) and its run, whose
-    name covers every param its MLflow run logs (``extra``: :func:`run_params`, computed here if not given):
-    a resumed MLflow run cannot change a param, so a value that changes nothing computed
-    (``finetune.init_source`` with ``init: null``) is still another run."""
-    extra = run_params(stage, params, recipe, model, info) if extra is None else extra
-    logged = stage_params(stage, params, extra)
+    name covers every param its MLflow run logs: a resumed MLflow run cannot change a param, so a value
+    that changes nothing computed (``finetune.init_source`` with ``init: null``) is still another run."""
+    logged = stage_params(stage, params, run_params(stage, params, recipe, model, info))
     recipe = dataclasses.replace(recipe, augment=with_dataset_stats(recipe.augment, info))
     return recipe, prepare_run(stage, params, recipe, model, str(shard_dir), logged=logged)
 
@@ -58,17 +56,17 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
     tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")),
             "dataset.source": info["source"]}
     extra = run_params(stage, params, recipe, model, info)
-    recipe, spec = plan_stage(stage, params, recipe, model, shard_dir, info, extra)
+    recipe, spec = plan_stage(stage, params, recipe, model, shard_dir, info)
     model_dir, metrics_file = MODELS / stage, METRICS / f"{stage}.json"
     history_csv, curves_png = PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png"
     with staged_outputs(model_dir, metrics_file, history_csv, curves_png) as out, \
             stage_run(stage, params, extra_params=extra,
                       tags=tags, resume_key=spec.run_name, system_metrics=True) as run:
         result = fit(spec, params, model, run_id=run.info.run_id)
-        selection = selection_summary(result.selection)
-        summary = stage_summary(result, selection)
+        summary = stage_summary(result)
         kept = result.selection.kept
-        mlflow.log_metrics({k: v for k, v in selection.items() if isinstance(v, (int, float))})
+        numbers = {k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))}
+        mlflow.log_metrics(numbers)
         mlflow.set_tags({"kept_weights": kept["source"], "kept_reason": kept["reason"]})
         meta = {**model_meta(stage, recipe, info, result.run_name), "mlflow_run_id": run.info.run_id}
         save_model(result.model, out[model_dir], extra=meta)
@@ -90,13 +88,12 @@ def model_meta(stage: str, recipe: TrainConfig, info: dict, run_name: str) -> di
             "normalize": {k: aug[k] for k in ("mean", "std")}, "stage": stage, "ray_run": run_name}
 
 
-def stage_summary(result: TrainResult, selection: dict | None = None) -> dict:
-    """metrics/<stage>.json: the last epoch's numbers and which weights were kept (``selection``:
-    :func:`pipeline.train.selection.summary` of the run, computed here if not given)."""
+def stage_summary(result: TrainResult) -> dict:
+    """metrics/<stage>.json: the last epoch's numbers and which weights were kept."""
     final = result.history[-1]
     summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema", "step",
                                      "images_seen") if k in final}
-    return {**summary, **(selection_summary(result.selection) if selection is None else selection)}
+    return {**summary, **selection_summary(result.selection)}
 
 
 def pretrain(params: Params) -> dict:
