@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
-from pipeline.config import COMPILE_MODES, ConfigError, load_params  # noqa: E402
+from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, ConfigError, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
 from pipeline.data.loader import PREFETCH  # noqa: E402
 from pipeline.environment import cpu_name, device_name  # noqa: E402
@@ -236,6 +236,9 @@ def main() -> None:
                     help="with compile on: also time the model alone without torch.compile, side by side")
     ap.add_argument("--compare-mode", choices=COMPILE_MODES, metavar="MODE",
                     help=f"also time the model alone and the loop compiled in MODE ({', '.join(COMPILE_MODES)})")
+    ap.add_argument("--compare-graph", action="store_true",
+                    help="also time the model alone and the loop with the whole step as one CUDA graph "
+                         "(cuda_graph: true; a CUDA-graph compile_mode becomes default)")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="then profile --profile-steps full-loop steps: host and device time, top ops, DIR/trace.json")
     ap.add_argument("--profile-steps", type=int, default=10)
@@ -266,6 +269,9 @@ def main() -> None:
     twins = {"eager": twin(stepper, loop, compile=False)} if args.compare_eager and loop.compile else {}
     if args.compare_mode:
         twins[args.compare_mode] = twin(stepper, loop, compile=True, compile_mode=args.compare_mode)
+    if args.compare_graph:
+        mode = "default" if loop.compile_mode in CUDAGRAPH_MODES else loop.compile_mode
+        twins["cuda_graph"] = twin(stepper, loop, cuda_graph=True, compile_mode=mode)
     steps_needed = (args.rounds * ((3 + len(twins)) * args.steps + drain) + 8 * (1 + len(twins))
                     + (args.profile_steps if args.profile else 0))
     batches = train_batches(loop, device, steps_needed, loop.loader_workers)
@@ -293,11 +299,11 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
           f"below 1, the input bounds the loop)")
     print(f"median full loop   : {fed:9.0f} img/s")
     print(f"feed ratio         : {fed / alone:9.3f}   (target >= 0.9 on a GPU)")
-    if args.compare_mode:
-        mode_alone, mode_fed = median[args.compare_mode], median[f"loop {args.compare_mode}"]
-        print(f"{args.compare_mode} alone : {mode_alone:9.0f} img/s   "
-              f"({mode_alone / alone:.2f}x the model alone above)")
-        print(f"{args.compare_mode} loop  : {mode_fed:9.0f} img/s   (feed ratio {mode_fed / mode_alone:.3f})")
+    for name in (n for n in median if f"loop {n}" in median):  # --compare-mode, --compare-graph
+        twin_alone, twin_fed = median[name], median[f"loop {name}"]
+        print(f"{name} alone : {twin_alone:9.0f} img/s   ({twin_alone / alone:.2f}x the model alone above)")
+        print(f"{name} loop  : {twin_fed:9.0f} img/s   (feed ratio {twin_fed / twin_alone:.3f}; "
+              f"{twin_fed / fed:.2f}x the full loop above)")
     if device.type == "cuda":
         note = "   (the twins' steps included)" if len(median) > 3 else ""
         print(f"peak GPU memory    : {peak_memory / 2**30:9.2f} GiB{note}")

@@ -126,6 +126,7 @@ class TrainConfig:
     log_every_steps: int = 10
     compile: bool = False
     compile_mode: str = "default"
+    cuda_graph: bool = False
     grad_checkpointing: bool = False
 
 
@@ -299,6 +300,7 @@ def validate(p: Params) -> Params:
     _positive("ray.num_workers", p.ray.num_workers)
     for stage in ("pretrain", "finetune"):
         _check_training(stage, getattr(p, stage), p.ray.num_workers)
+        _check_cuda_graph(stage, getattr(p, stage), 1 if p.ray.backend == "local" else p.ray.num_workers)
     _check_export_and_ray(p)
     return p
 
@@ -374,6 +376,19 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
     if t.global_batch_size % num_workers:
         raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
                           f"ray.num_workers={num_workers} (each worker gets an equal share)")
+
+
+def _check_cuda_graph(stage: str, t: TrainConfig, ranks: int) -> None:
+    """What a step captured as one CUDA graph (``cuda_graph: true``) cannot hold."""
+    if not t.cuda_graph:
+        return
+    clash = ("amp: fp16 (its grad scaler reads the overflow flag on the host every step)" if t.amp == "fp16" else
+             "grad_checkpointing: true (the recomputation saves and restores the RNG state)" if t.grad_checkpointing
+             else f"compile_mode: {t.compile_mode} (it captures CUDA graphs itself; use default)"
+             if t.compile and t.compile_mode in CUDAGRAPH_MODES else
+             f"{ranks} ranks (ray.num_workers; one rank only, or ray.backend: local)" if ranks > 1 else None)
+    if clash:
+        raise ConfigError(f"{stage}.cuda_graph: true does not go with {clash}")
 
 
 def _check_export_and_ray(p: Params) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 
@@ -50,17 +51,23 @@ def test_compiled_step_matches_eager(mode):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graphed_step_matches_eager_and_never_syncs():
-    """On a GPU, ``compile_mode: reduce-overhead`` replays CUDA graphs, micro batches included, and
-    trains as eager does; once warm, a step (EMA, clipping, scheduler and all) never waits for the GPU."""
+@pytest.mark.parametrize("graph", [dict(compile=True, compile_mode="reduce-overhead"), dict(cuda_graph=True),
+                                   dict(cuda_graph=True, compile=True)],
+                         ids=["reduce-overhead", "cuda_graph", "cuda_graph-compiled"])
+def test_cuda_graphed_step_matches_eager_and_never_syncs(graph):
+    """On a GPU the step replays CUDA graphs and trains as eager does, micro batches included: the
+    model's forward and backward with ``compile_mode: reduce-overhead``; the whole step (clipping,
+    AdamW and EMA too) with ``cuda_graph: true``, eager or compiled, once its warm-up steps are done.
+    Once warm, a step (EMA, clipping, scheduler and all) never waits for the GPU."""
+    from pipeline.train.graphs import WARMUP_STEPS
     model, cuda = _model(), torch.device("cuda")
-    recipe = dict(amp="off", max_worker_batch=4, ema_decay=0.99, steps=4)
+    recipe = dict(amp="off", max_worker_batch=4, ema_decay=0.99, steps=WARMUP_STEPS + 2)
     eager_loss, eager_state, _ = _steps(model, cuda, **recipe)
-    comp_loss, comp_state, stepper = _steps(model, cuda, compile=True, compile_mode="reduce-overhead", **recipe)
-    assert stepper.graphed
-    assert comp_loss == pytest.approx(eager_loss, rel=1e-3)
+    loss, state, stepper = _steps(model, cuda, **graph, **recipe)
+    assert stepper.graphed if "compile_mode" in graph else stepper.captured.graph is not None
+    assert loss == pytest.approx(eager_loss, rel=1e-3)
     for k in eager_state:
-        torch.testing.assert_close(comp_state[k], eager_state[k], rtol=1e-2, atol=1e-4, msg=k)
+        torch.testing.assert_close(state[k], eager_state[k], rtol=1e-2, atol=1e-4, msg=k)
     x, y = torch.randn(8, 3, 16, 16, device=cuda), torch.arange(8, device=cuda) % 10
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -69,6 +76,35 @@ def test_cuda_graphed_step_matches_eager_and_never_syncs():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+def test_graph_safe_step_matches_the_plain_step():
+    """``cuda_graph: true`` on a CPU runs the step it would capture, eagerly: learning rates in device
+    tensors the scheduler fills, the EMA's weight read from a tensor, MixUp drawn outside. It trains
+    as the plain step does (warm-up schedule, EMA warm-up, clipping, accumulation and MixUp on)."""
+    model, cpu = _model(), torch.device("cpu")
+    recipe = dict(ema_decay=0.99, max_worker_batch=4, mixup_alpha=0.8, warmup_epochs=1.0, steps=5)
+    runs = []
+    for graph in (False, True):
+        torch.manual_seed(7)  # MixUp's draws
+        cfg = dict(recipe)
+        steps = cfg.pop("steps")
+        x, y = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 10
+        m = copy.deepcopy(model)
+        loop = dataclasses.replace(_cfg(m.config.to_dict(), cuda_graph=graph, **cfg), warmup_steps=3)
+        stepper = Stepper(m, loop, cpu)
+        losses, lrs = [], []
+        for _ in range(steps):
+            losses.append(stepper(x, y)[0].item())
+            lrs.append(stepper.lr())
+        runs.append((losses, lrs, m.state_dict(), stepper.ema.module.state_dict(), stepper))
+    (plain_loss, plain_lr, plain_w, plain_ema, _), (loss, lr, w, ema, stepper) = runs
+    assert isinstance(stepper.optimizer.param_groups[0]["lr"], torch.Tensor)  # the graph-safe step ran
+    assert stepper.ema.updates == 5 and len(set(plain_lr)) > 2  # the schedule moved
+    assert loss == pytest.approx(plain_loss, rel=1e-5) and lr == pytest.approx(plain_lr, rel=1e-6)
+    for k in plain_w:
+        torch.testing.assert_close(w[k], plain_w[k], rtol=1e-4, atol=1e-6, msg=k)
+        torch.testing.assert_close(ema[k], plain_ema[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 def test_accumulated_step_equals_one_big_step():
@@ -122,13 +158,14 @@ def test_train_memory_benchmark_runs_on_cpu():
 
 
 def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
-    """The README's benchmark command, shortened, compiled, with --compare-eager, --compare-mode and --profile
+    """The README's benchmark command, shortened, compiled, with --compare-eager, --compare-mode, --compare-graph
+    and --profile
     (the GPU runbook's form): it measures every side and prints the feed ratio and where the loop's time goes, and runs where Ray, MLflow, DVC, ONNX and
     the rest that a GPU box may lack are not installed (conftest.GPU_BOX_REQUIREMENTS). The uncompiled form runs in test_time_to_accuracy.py."""
     proc = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "2",
                              "--rounds", "1", "--set", "ray.loader_workers=1", "--set", "model.depth=1",
                              "--set", "pretrain.compile=true", "--compare-eager", "--compare-mode", "reduce-overhead",
-                             "--profile", tmp_path / "profile", "--profile-steps", "2")
+                             "--compare-graph", "--profile", tmp_path / "profile", "--profile-steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in proc.stdout.splitlines() if ":" in line}
     alone, eager, fed = (float(lines[f"median {k}"].split()[0]) for k in ("model alone", "eager alone", "full loop"))
@@ -137,10 +174,12 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
     assert buys == pytest.approx(alone / eager, abs=0.01)
     assert float(lines["feed ratio"].split()[0]) == pytest.approx(fed / alone, rel=0.01)
     assert "batch 64" in proc.stdout and "compile True (default), 1 loader workers" in proc.stdout  # one rank, whole batch
-    mode_alone, mode_fed = (float(lines[f"reduce-overhead {k}"].split()[0]) for k in ("alone", "loop"))
-    assert float(lines["reduce-overhead alone"].split("(")[1].split("x")[0]) == pytest.approx(mode_alone / alone, abs=0.01)
-    assert float(lines["reduce-overhead loop"].split("feed ratio ")[1].rstrip(")")) == pytest.approx(
-        mode_fed / mode_alone, abs=0.002)
+    for name in ("reduce-overhead", "cuda_graph"):  # each twin, alone and in the loop, beside the recipe's
+        twin_alone, twin_fed = (float(lines[f"{name} {k}"].split()[0]) for k in ("alone", "loop"))
+        assert float(lines[f"{name} alone"].split("(")[1].split("x")[0]) == pytest.approx(twin_alone / alone, abs=0.01)
+        ratio, speedup = lines[f"{name} loop"].split("feed ratio ")[1].split("; ")
+        assert float(ratio) == pytest.approx(twin_fed / twin_alone, abs=0.002)
+        assert float(speedup.split("x")[0]) == pytest.approx(twin_fed / fed, abs=0.01)
     wall = float(lines["profile, 2 full-loop steps (profiler on)"].split()[0])
     host = [float(lines[f"host, {k}"].split()[0]) for k in ("input", "train step")]
     assert 0 < sum(host) <= wall * 1.05 and min(host) > 0  # both inside the timed steps
@@ -237,6 +276,37 @@ def test_step_hooks_run_by_name_before_each_step(digits_dir, tmp_path):
     assert log.read_text().split() == ["0:0", "0:1", "0:2"]
     with pytest.raises(ValueError, match="step hook 'tests.nope:fn'"):
         load_step_hooks(["tests.nope:fn"])
+
+
+def test_graph_safe_run_checkpoints_and_a_plain_run_continues_it(digits_dir, tmp_path):
+    """A ``cuda_graph: true`` run (on a CPU its graph-safe step runs eagerly) checkpoints its tensor
+    learning rates and EMA; a plain run continues from its first epoch (``cuda_graph`` is not part of
+    a run's identity), and all three end where one plain run does."""
+    from pipeline.train.checkpoint import load_state
+    from pipeline.train.context import LocalContext, list_checkpoints
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import run_loop
+
+    model = _model()
+    plain = dataclasses.replace(_cfg(model.config.to_dict(), ema_decay=0.99, epochs=2), shard_dir=str(digits_dir),
+                                steps_per_epoch=3, warmup_steps=2)
+
+    def train(cfg, run_dir, resume_from=None) -> list[dict]:
+        ctx = LocalContext(str(run_dir), use_gpu=False, keep=2, resume_from=resume_from)
+        run_loop(cfg, LoopRun(init_state=model.state_dict()), ctx)
+        return [load_state(run_dir / name) for name in list_checkpoints(str(run_dir))]
+
+    (_, reference), (first, graphed) = train(plain, tmp_path / "plain"), train(
+        dataclasses.replace(plain, cuda_graph=True), tmp_path / "graph")
+    assert isinstance(graphed["optimizer"]["param_groups"][0]["lr"], torch.Tensor) and first["epoch"] == 1
+    (continued,) = train(plain, tmp_path / "continued", resume_from=str(tmp_path / "graph" / list_checkpoints(
+        str(tmp_path / "graph"))[0]))
+    for end in (graphed, continued):
+        assert end["step"] == 6 and end["ema"]["_extra_state"] == {"updates": 6}
+        for part in ("model", "ema"):
+            for k, v in reference[part].items():
+                if isinstance(v, torch.Tensor):
+                    torch.testing.assert_close(end[part][k], v, rtol=1e-4, atol=1e-6, msg=f"{part}.{k}")
 
 
 def test_a_run_short_of_its_end_is_reported_as_diverged():

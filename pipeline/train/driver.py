@@ -71,6 +71,13 @@ def loader_workers(ray_cfg: RayConfig) -> int:
     return max(0, ray_cfg.cpus_per_worker - 1)
 
 
+def _graph_note(loop: LoopConfig, ray_cfg: RayConfig) -> str:
+    """What ``cuda_graph: true`` does on this run (nothing to capture without a GPU)."""
+    if not loop.cuda_graph:
+        return ""
+    return ", whole step as one CUDA graph" if ray_cfg.use_gpu else ", cuda_graph: no GPU, the graph-safe step runs eagerly"
+
+
 def check_batch_fits(stage: str, global_batch: int, train_images: int, shard_dir: str) -> None:
     """An epoch is the full batches of the train split: at least one must fit (before any memory is asked for)."""
     if global_batch > train_images:
@@ -124,7 +131,7 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     print(f"[{spec.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
           f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "
           f"{loop.steps_per_epoch} steps/epoch x {loop.epochs} epochs, {loop.loader_workers} loader worker(s) "
-          f"per rank, run {spec.run_name}", flush=True)
+          f"per rank{_graph_note(loop, params.ray)}, run {spec.run_name}", flush=True)
     if params.ray.backend == "local" and run_dir is None:
         raise ValueError(f"ray.backend: local writes checkpoints to a local ray.storage_path, "
                          f"got {params.ray.storage_path!r}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 # Fields that do not change what is computed: a run launched again with other values continues.
-NOT_IDENTITY = ("verbose", "loader_workers")
+NOT_IDENTITY = ("verbose", "loader_workers", "cuda_graph")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class LoopConfig:
     amp: str
     compile: bool
     compile_mode: str
+    cuda_graph: bool
     grad_checkpointing: bool
     checkpoint_every_steps: Optional[int]
     checkpoint_every_epochs: int

@@ -52,6 +52,8 @@ class EMA(nn.Module):
 
     The update count is a Python int (saved as the module's extra state), so an update never
     waits for the GPU, unlike ``torch.optim.swa_utils.AveragedModel``'s device counter.
+    :meth:`update` is :meth:`advance` (host: the count, this update's weight) then :meth:`average`
+    (device); a captured step (:mod:`.graphs`) runs the two apart, reading the weight from a tensor.
     """
 
     def __init__(self, model: nn.Module, decay: float, warmup: bool = True):
@@ -59,13 +61,27 @@ class EMA(nn.Module):
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
         self.decay, self.warmup, self.updates = decay, warmup, 0
 
-    @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def advance(self) -> float:
+        """Count one update; its weight ``1 - decay``."""
         weight = 1.0 - ema_decay_at(self.updates, self.decay, self.warmup)
-        torch._foreach_lerp_(list(self.module.parameters()), list(model.parameters()), weight)
-        for mine, theirs in zip(self.module.buffers(), model.buffers()):
-            mine.copy_(theirs)
         self.updates += 1
+        return weight
+
+    @torch.no_grad()
+    def average(self, model: nn.Module, weight: float | torch.Tensor) -> None:
+        """Move the average ``weight`` of the way to ``model``'s weights. A 0-dim tensor ``weight`` is
+        read on the device when the lerps run (one per tensor: foreach lerp takes a number only)."""
+        mine, theirs = list(self.module.parameters()), list(model.parameters())
+        if isinstance(weight, torch.Tensor):
+            for a, b in zip(mine, theirs):
+                a.lerp_(b, weight)
+        else:
+            torch._foreach_lerp_(mine, theirs, weight)
+        for a, b in zip(self.module.buffers(), model.buffers()):
+            a.copy_(b)
+
+    def update(self, model: nn.Module) -> None:
+        self.average(model, self.advance())
 
     def get_extra_state(self) -> dict:
         return {"updates": self.updates}
@@ -86,7 +102,8 @@ def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     return torch.float16 if amp == "fp16" else torch.bfloat16
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
+def autocast(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
+    """``cache=False`` for a step captured as a CUDA graph (cast weights must not outlive the capture)."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache)

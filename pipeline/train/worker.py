@@ -28,6 +28,7 @@ from pipeline.data import make_eval_loader, make_train_loader
 from pipeline.model import ViTConfig, VisionTransformer
 from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
 from pipeline.train.context import TrainContext
+from pipeline.train.graphs import CapturedStep
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.optim import accumulation, build_optimizer
 from pipeline.train.techniques import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
@@ -67,6 +68,7 @@ def evaluate_split(net: torch.nn.Module, loader, *, amp: str, device: torch.devi
 class Stepper:
     """One optimizer step on a batch: mixing, gradient accumulation, AMP scaler, clipping, EMA (and the
     recipe's activation checkpointing, switched on the model here so every caller of the step gets it).
+    With ``cuda_graph`` the step's device work replays as one CUDA graph (:mod:`.graphs`).
 
     Returns the batch's loss and correct counts as device tensors (no host sync per step)."""
 
@@ -84,6 +86,7 @@ class Stepper:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         self.ema = make_ema(unwrap(model), cfg.ema_decay, cfg.ema_warmup)
         self.mixer = batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, cfg.model["num_classes"])
+        self.captured = CapturedStep(self._compute, self.optimizer, device) if cfg.cuda_graph else None
         self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping (with grad_clip set)
 
     def objects(self) -> dict:
@@ -91,10 +94,26 @@ class Stepper:
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                 "scaler": self.scaler, "ema": self.ema}
 
+    def lr(self) -> float:
+        """The learning rate of the next step (the first group's; a tensor in a graph-safe step)."""
+        return float(self.scheduler.get_last_lr()[0])
+
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host's part (the mixer's draws, the EMA's count, the schedule) around the device's."""
         targets = labels
         if self.mixer is not None:
             images, targets = self.mixer(images, labels)
+        ema_weight = self.ema.advance() if self.ema is not None else None
+        if self.captured is not None:
+            out = self.captured(images, targets, labels, ema_weight=ema_weight)
+        else:
+            out = self._compute(images, targets, labels, ema_weight)
+        self.scheduler.step()
+        return out
+
+    def _compute(self, images: torch.Tensor, targets: torch.Tensor, labels: torch.Tensor,
+                 ema_weight: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward, clipping, optimizer and EMA: device work only (a CUDA graph can hold it)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -104,7 +123,7 @@ class Stepper:
             sl = slice(i * self.micro, (i + 1) * self.micro)
             last = i == self.accum - 1
             sync = self.model.no_sync() if (not last and hasattr(self.model, "no_sync")) else torch.enable_grad()
-            with sync, autocast(self.device, self.dtype):
+            with sync, autocast(self.device, self.dtype, cache=self.captured is None):
                 logits = self.forward(images[sl]).float()
                 loss = soft_cross_entropy(logits, targets[sl], self.cfg.label_smoothing)
             self.scaler.scale(loss / self.accum).backward()
@@ -115,9 +134,8 @@ class Stepper:
             self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.scheduler.step()
         if self.ema is not None:
-            self.ema.update(unwrap(self.model))
+            self.ema.average(unwrap(self.model), ema_weight)
         return loss_sum, correct
 
 
@@ -316,7 +334,7 @@ def _diverged(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, loss: float,
 def _epoch_metrics(stepper: Stepper, totals: list, epoch: int, step: int, elapsed: float) -> dict:
     loss_sum, correct, seen = totals
     return {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(seen, 1),
-            "train_top1": correct / max(seen, 1), "lr": stepper.scheduler.get_last_lr()[0],
+            "train_top1": correct / max(seen, 1), "lr": stepper.lr(),
             "images_per_s": seen / max(elapsed, 1e-9), "epoch_time_s": elapsed}
 
 
@@ -337,7 +355,7 @@ def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss: torch
         return None
     global_loss = _all_reduce([loss], ctx.device)[0] / ctx.world_size
     if logger:
-        metrics = {"train_loss_step": global_loss, "lr_step": stepper.scheduler.get_last_lr()[0]}
+        metrics = {"train_loss_step": global_loss, "lr_step": stepper.lr()}
         if stepper.grad_norm is not None:  # after DDP's all-reduce: the same on every rank
             metrics["grad_norm_step"] = stepper.grad_norm.item()
         logger.log_metrics(metrics, step=step)
