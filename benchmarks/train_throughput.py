@@ -78,9 +78,11 @@ def measure(args, stepper: Stepper, twins: dict[str, Stepper], batches, drain: i
     """``args.rounds`` rounds of: model alone (a fixed batch already on the device), each twin's model
     alone, input alone (loader workers -> device augmentation, no step), the full loop and each
     compiled twin's full loop.
-    While the model-alone rounds run, the loader's workers fill their queue (``drain`` batches);
-    those are taken, untimed, before the input is timed, so input and loop are timed in the steady
-    state, not on batches made during the model's turn."""
+    While the model-alone rounds run, the loader's workers fill their queue; ``drain`` batches (that
+    queue, then one more batch per worker) are taken, untimed, before the input is timed, so input and
+    loop are timed in the steady state: not on batches made during the model's turn, and not from an
+    empty pipeline either (right after the queue is taken, every worker is still on its first batch,
+    and a short round would time little more than that one batch's latency)."""
     images, labels = next(batches)  # the fixed batch for the model alone
     device, n = stepper.device, len(labels)
     looped = {"": stepper, **{name: t for name, t in twins.items() if name != "eager"}}
@@ -264,7 +266,7 @@ def main() -> None:
     loop = plan_stage(args.stage, params, cfg, model, shard_dir, info)[1].loop  # as the stage plans its run
     if args.input_scaling:
         return input_scaling(loop, device, args.input_scaling, args.steps)
-    drain = loop.loader_workers * PREFETCH
+    drain = loop.loader_workers * (PREFETCH + 1)  # the full queue, then one batch per worker (see measure)
     stepper = Stepper(model.to(device), loop, device)
     twins = {"eager": twin(stepper, loop, compile=False)} if args.compare_eager and loop.compile else {}
     if args.compare_mode:
