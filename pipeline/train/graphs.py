@@ -9,11 +9,12 @@ network capture" (CUDA semantics notes): a few eager warm-up steps on a side str
 into static input buffers, then a copy and a replay per step.
 
 What a captured step needs, and what this module sets up on the first call (after any checkpoint
-was restored): every value that changes from step to step lives in a device tensor the graph
-reads (each group's learning rate, which the scheduler fills in place; the EMA's weight), and the
-optimizer's groups are ``capturable``. Host-side choices (MixUp / CutMix, the EMA's count, the
-schedule) stay outside the graph. On a CPU there is nothing to capture: the same graph-safe step
-runs eagerly, which is how the tests check it computes what the plain step computes.
+was restored): every value that changes from step to step lives in a device tensor the graph reads
+(each group's learning rate, which the scheduler fills in place; the EMA's weight). The optimizer's
+groups become ``capturable`` at the capture (torch's fused AdamW keeps its state on the device
+anyway). Host-side choices (MixUp / CutMix, the EMA's count, the schedule) stay outside the graph.
+On a CPU there is nothing to capture: the same graph-safe step runs eagerly, which is how the tests
+check that it computes what the plain step computes.
 """
 from __future__ import annotations
 
@@ -25,13 +26,10 @@ WARMUP_STEPS = 3  # eager steps before the capture (PyTorch's example uses 3): l
 
 
 def graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Each group's ``lr`` as a 0-dim tensor on ``device`` (the scheduler fills it in place, so a
-    captured optimizer step reads the current value) and, on CUDA, ``capturable`` groups (``step``
-    refuses to be captured otherwise; torch's fused AdamW keeps its state on the device anyway)."""
+    """Each group's ``lr`` as a 0-dim tensor on ``device``: the scheduler fills it in place, so a
+    captured optimizer step reads the current value."""
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
-        if device.type == "cuda":
-            group["capturable"] = True
 
 
 class CapturedStep:
@@ -85,5 +83,8 @@ class CapturedStep:
         self.inputs = tuple(x.clone() for x in inputs)
         self.graph = torch.cuda.CUDAGraph()
         self.optimizer.zero_grad(set_to_none=True)
+        for group in self.optimizer.param_groups:  # step() refuses a capture otherwise; set only now, as
+            group["capturable"] = True             # torch warns when a capturable step runs uncaptured
+
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = self.compute(*self.inputs, weight)
