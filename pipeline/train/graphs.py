@@ -85,6 +85,5 @@ class CapturedStep:
         self.optimizer.zero_grad(set_to_none=True)
         for group in self.optimizer.param_groups:  # step() refuses a capture otherwise; set only now, as
             group["capturable"] = True             # torch warns when a capturable step runs uncaptured
-
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = self.compute(*self.inputs, weight)
