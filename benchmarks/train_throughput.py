@@ -209,6 +209,8 @@ def profile(stepper: Stepper, batches, steps: int, out: Path) -> None:
     elif cuda:
         print("device busy        : the profiler recorded no device activity")
     print(ops.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=15))
+    if cuda:  # the same ops by the host's time: which launches, copies or waits the host spends its step on
+        print(ops.table(sort_by="self_cpu_time_total", row_limit=15))
     print(f"trace: {out / 'trace.json'}")
 
 
