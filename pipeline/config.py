@@ -297,12 +297,10 @@ def validate(p: Params) -> Params:
     for name in ("pretrain", "finetune"):
         _check_data(f"data.{name}", getattr(p.data, name))
     _check_model(p)
-    from pipeline.cluster import world_size
-
     _positive("ray.num_workers", p.ray.num_workers)
     for stage in ("pretrain", "finetune"):
         _check_training(stage, getattr(p, stage), p.ray.num_workers)
-        _check_cuda_graph(stage, getattr(p, stage), world_size(p.ray))
+        _check_cuda_graph(stage, getattr(p, stage), 1 if p.ray.backend == "local" else p.ray.num_workers)
     _check_export_and_ray(p)
     return p
 
