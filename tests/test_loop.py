@@ -157,6 +157,14 @@ def test_train_memory_benchmark_runs_on_cpu():
     assert re.search(r"train step of nano/4 at 32 px on .* \(\d+ cores.*\): batch 32, fp32", proc.stdout)
 
 
+def _printed_ratio(printed: str, num: float, den: float) -> None:
+    """``printed`` is num / den, up to the rounding of all three as printed (images/s as whole numbers:
+    a few-step CPU round can print 20 img/s, where rounding alone moves a ratio by a few percent)."""
+    decimals = len(printed.split(".")[1]) if "." in printed else 0
+    ratio = num / den
+    assert float(printed) == pytest.approx(ratio, abs=0.5 * 10 ** -decimals + ratio * (0.5 / num + 0.5 / den))
+
+
 def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
     """The README's benchmark command, shortened, compiled, with --compare-eager, --compare-mode, --compare-graph
     and --profile
@@ -170,16 +178,15 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
     lines = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in proc.stdout.splitlines() if ":" in line}
     alone, eager, fed = (float(lines[f"median {k}"].split()[0]) for k in ("model alone", "eager alone", "full loop"))
     assert alone > 0 and eager > 0 and fed > 0 and float(lines["median input alone"].split()[0]) > 0
-    buys = float(lines["median eager alone"].split("compile buys ")[1].split("x")[0])
-    assert buys == pytest.approx(alone / eager, abs=0.01)
-    assert float(lines["feed ratio"].split()[0]) == pytest.approx(fed / alone, rel=0.01)
+    _printed_ratio(lines["median eager alone"].split("compile buys ")[1].split("x")[0], alone, eager)
+    _printed_ratio(lines["feed ratio"].split()[0], fed, alone)
     assert "batch 64" in proc.stdout and "compile True (default), 1 loader workers" in proc.stdout  # one rank, whole batch
     for name in ("reduce-overhead", "cuda_graph"):  # each twin, alone and in the loop, beside the recipe's
         twin_alone, twin_fed = (float(lines[f"{name} {k}"].split()[0]) for k in ("alone", "loop"))
-        assert float(lines[f"{name} alone"].split("(")[1].split("x")[0]) == pytest.approx(twin_alone / alone, abs=0.01)
+        _printed_ratio(lines[f"{name} alone"].split("(")[1].split("x")[0], twin_alone, alone)
         ratio, speedup = lines[f"{name} loop"].split("feed ratio ")[1].split("; ")
-        assert float(ratio) == pytest.approx(twin_fed / twin_alone, abs=0.002)
-        assert float(speedup.split("x")[0]) == pytest.approx(twin_fed / fed, abs=0.01)
+        _printed_ratio(ratio, twin_fed, twin_alone)
+        _printed_ratio(speedup.split("x")[0], twin_fed, fed)
     wall = float(lines["profile, 2 full-loop steps (profiler on)"].split()[0])
     host = [float(lines[f"host, {k}"].split()[0]) for k in ("input", "train step")]
     assert 0 < sum(host) <= wall * 1.05 and min(host) > 0  # both inside the timed steps
