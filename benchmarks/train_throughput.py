@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, ConfigError, load_params  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
-from pipeline.data.loader import PREFETCH  # noqa: E402
 from pipeline.environment import cpu_name, device_name  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
@@ -79,10 +78,10 @@ def measure(args, stepper: Stepper, twins: dict[str, Stepper], batches, drain: i
     alone, input alone (loader workers -> device augmentation, no step), the full loop and each
     compiled twin's full loop.
     While the model-alone rounds run, the loader's workers fill their queue; ``drain`` batches (that
-    queue, then one more batch per worker) are taken, untimed, before the input is timed, so input and
+    queue, then one more parcel per worker) are taken, untimed, before the input is timed, so input and
     loop are timed in the steady state: not on batches made during the model's turn, and not from an
-    empty pipeline either (right after the queue is taken, every worker is still on its first batch,
-    and a short round would time little more than that one batch's latency)."""
+    empty pipeline either (right after the queue is taken, every worker is still on its first parcel,
+    and a short round would time little more than that one parcel's latency)."""
     images, labels = next(batches)  # the fixed batch for the model alone
     device, n = stepper.device, len(labels)
     looped = {"": stepper, **{name: t for name, t in twins.items() if name != "eager"}}
@@ -108,12 +107,15 @@ def measure(args, stepper: Stepper, twins: dict[str, Stepper], batches, drain: i
     return got
 
 
-def train_batches(loop: LoopConfig, device: torch.device, steps: int, num_workers: int):
-    """At least ``steps`` of the stage's train batches from epoch 0, as its one rank would get them, on ``device``."""
-    return iter(make_train_loader(
-        loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
-        steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-steps // loop.steps_per_epoch) - 1,
-        rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=num_workers, device=device))
+def train_batches(loop: LoopConfig, device: torch.device, steps: int, num_workers: int, drains: int = 1):
+    """The stage's train loader from epoch 0, as its one rank would get it, on ``device``: at least ``steps``
+    batches, plus ``drains`` times its full pipeline (``.in_flight``, taken untimed before timing input)."""
+    def loader(n: int):
+        return make_train_loader(
+            loop.shard_dir, batch_size=loop.per_worker_batch, image_size=loop.image_size,
+            steps_per_epoch=loop.steps_per_epoch, epoch=0, last_epoch=-(-n // loop.steps_per_epoch) - 1,
+            rank=0, world_size=1, seed=loop.seed, augment=loop.augment, num_workers=num_workers, device=device)
+    return loader(steps + drains * loader(1).in_flight)  # the first one only tells its size: nothing starts
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -139,15 +141,15 @@ def input_scaling(loop: LoopConfig, device: torch.device, counts: list[int], ste
           f"batch {loop.per_worker_batch}; the workers run on {cpu_name()}):")
     print(f"{'workers':>8} {'img/s':>9} {'per worker':>11} {'ms/batch':>9} {'main CPU':>9} {'workers CPU':>12}")
     for count in counts:
-        warm = max(loop.steps_per_epoch, count * PREFETCH)
-        batches = train_batches(loop, device, warm + steps, count)
+        loader = train_batches(loop, device, loop.steps_per_epoch + steps, count)
+        warm, batches = max(loop.steps_per_epoch, loader.in_flight), iter(loader)
         for _ in range(warm):
             next(batches)
         workers = [p.pid for p in multiprocessing.active_children()]
         main0, kids0 = time.process_time(), cpu_seconds(workers)
         rate = timed(device, steps, loop.per_worker_batch, lambda: next(batches))
         main, kids = time.process_time() - main0, cpu_seconds(workers) - kids0
-        del batches  # the DataLoader's workers exit
+        del batches, loader  # the DataLoader's workers exit
         per = 1e3 / steps
         print(f"{count:>8} {rate:>9.0f} {rate / max(count, 1):>11.0f} {loop.per_worker_batch / rate * 1e3:>9.1f} "
               f"{main * per:>9.1f} {kids * per:>12.1f}", flush=True)
@@ -268,7 +270,6 @@ def main() -> None:
     loop = plan_stage(args.stage, params, cfg, model, shard_dir, info)[1].loop  # as the stage plans its run
     if args.input_scaling:
         return input_scaling(loop, device, args.input_scaling, args.steps)
-    drain = loop.loader_workers * (PREFETCH + 1)  # the full queue, then one batch per worker (see measure)
     stepper = Stepper(model.to(device), loop, device)
     twins = {"eager": twin(stepper, loop, compile=False)} if args.compare_eager and loop.compile else {}
     if args.compare_mode:
@@ -276,10 +277,11 @@ def main() -> None:
     if args.compare_graph:
         mode = "default" if loop.compile_mode in CUDAGRAPH_MODES else loop.compile_mode
         twins["cuda_graph"] = twin(stepper, loop, cuda_graph=True, compile_mode=mode)
-    steps_needed = (args.rounds * ((3 + len(twins)) * args.steps + drain) + 8 * (1 + len(twins))
+    steps_needed = (args.rounds * (3 + len(twins)) * args.steps + 8 * (1 + len(twins))
                     + (args.profile_steps if args.profile else 0))
-    batches = train_batches(loop, device, steps_needed, loop.loader_workers)
-    got = measure(args, stepper, twins, batches, drain)
+    loader = train_batches(loop, device, steps_needed, loop.loader_workers, drains=args.rounds)
+    batches = iter(loader)
+    got = measure(args, stepper, twins, batches, drain=loader.in_flight)
     peak_memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0  # before the FLOP count's step
     uncompiled = twins.get("eager") or (twin(stepper, loop, compile=False) if loop.compile else stepper)
     report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v}, peak_memory,

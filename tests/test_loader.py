@@ -9,6 +9,7 @@ import torch
 
 from pipeline.config import DataConfig
 from pipeline.data import check_shard_files, make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
+from pipeline.data.loader import MAX_PARCEL, parcel_steps
 from pipeline.data.tario import TarFormatError
 from tests.data_helpers import all_keys, make_imagefolder, tar_keys
 
@@ -127,10 +128,11 @@ def test_train_epoch_order_and_mid_epoch_resume(digits_dir):
     first = list(loader(1))
     assert [ks for _, _, ks in first] != [ks for _, _, ks in full]
     # one loader over several epochs (what a run uses) == the epochs' loaders one after another;
-    # resume = start at (epoch, batch): the skipped batches are not produced at all
-    for num_workers in (0, 2, 5):
-        run = list(loader(1, num_workers, last_epoch=2))
-        resumed = list(loader(2, num_workers, start_batch=4))
+    # resume = start at (epoch, batch): the skipped batches are not produced at all. Parcels of
+    # consecutive steps (8 by default here) may span epochs, and the last one of a run is short
+    for num_workers, parcel in ((0, None), (2, None), (5, None), (0, 1), (2, 5)):
+        run = list(loader(1, num_workers, last_epoch=2, parcel=parcel))
+        resumed = list(loader(2, num_workers, start_batch=4, parcel=parcel))
         assert len(run) == 12 and len(resumed) == 2 == len(loader(2, start_batch=4))
         for (x, y, ks), (x2, y2, ks2) in zip(first + full, run, strict=True):
             assert ks == ks2 and torch.equal(y, y2) and torch.equal(x, x2)
@@ -141,13 +143,15 @@ def test_train_epoch_order_and_mid_epoch_resume(digits_dir):
 AUG_PADDED_CROP = {"random_crop": 2, "hflip": 0.5, "auto_augment": "randaugment", "random_erasing": 0.5}
 
 
+@pytest.mark.parametrize("parcel", [1, 2])
 @pytest.mark.parametrize("augment", [AUG_ALL_RANDOM, AUG_PADDED_CROP], ids=["resized-crop", "padded-crop"])
-def test_train_any_worker_count(digits_dir, augment):
-    """Workers take turns at whole steps: a batch of 5 with 3 workers is fine, and identical to no workers."""
+def test_train_any_worker_count(digits_dir, augment, parcel):
+    """Workers take turns at whole parcels of steps: a batch of 5 with 3 workers is fine, and identical to
+    no workers, shipped one step or two at a time (a sample's pixels never depend on the batch around it)."""
     kw = dict(batch_size=5, image_size=8, steps_per_epoch=7, rank=0, world_size=1, epoch=0, seed=2,
               augment=augment, return_keys=True)
-    ref = list(make_train_loader(digits_dir, **kw))
-    got = list(make_train_loader(digits_dir, num_workers=3, prefetch=1, **kw))
+    ref = list(make_train_loader(digits_dir, parcel=1, **kw))
+    got = list(make_train_loader(digits_dir, num_workers=3, prefetch=1, parcel=parcel, **kw))
     assert [ks for _, _, ks in got] == [ks for _, _, ks in ref]
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ref, got, strict=True))
 
@@ -210,6 +214,13 @@ def test_train_first_step_loss_invariant(digits_dir):
                          for batches in _rank_batches(digits_dir, w, **kw) for x, y, _ in batches[:1]) / w
                   for w in (1, 2)}
     assert losses[1] == pytest.approx(losses[2], rel=1e-6)
+
+
+def test_parcel_size_rule():
+    """Small batches travel several steps at a time, up to 8; a batch of big images alone."""
+    assert parcel_steps(128, 32) == MAX_PARCEL == 8  # CIFAR-10's 1-GPU recipe: 0.4 MB a step
+    assert parcel_steps(512, 32) == 5                # 1.6 MB a step
+    assert parcel_steps(256, 224) == parcel_steps(1024, 224) == 1
 
 
 def test_num_streams_default_rule():

@@ -6,9 +6,9 @@ and every sample's augmentation is seeded by (seed, epoch, pass, key). So W = 1 
 with the same global batch, seed and num_streams see the same samples, with the same pixels, in
 every global step. Every rank yields exactly ``steps_per_epoch`` full batches (streams cycle), and
 ranks read disjoint shards when there are at least num_streams of them. DataLoader workers take
-turns at whole steps, so any worker count gives the same batches. Workers crop, flip and
-auto-augment and ship uint8 pixels; the training device converts, normalises and erases
-(:mod:`.device_augment`).
+turns at whole parcels of consecutive steps, so any worker count gives the same batches. Workers
+crop, flip and auto-augment and ship uint8 pixels; the training device converts, normalises and
+erases (:mod:`.device_augment`), a parcel at a time, and hands out its steps one by one.
 Eval: every sample of a split exactly once across ranks. Readers (rank x worker) split at shard
 level when there are enough shards, else by key index modulo the number of readers, so a small
 split still divides exactly.
@@ -121,10 +121,11 @@ def _collate(samples):
 
 
 class _Loader:
-    """Iterable of (images, labels) with ``len()`` = batches per epoch and ``num_samples`` on this rank."""
+    """Iterable of (images, labels) with ``len()`` = batches per epoch and ``num_samples`` on this rank;
+    ``in_flight``: the steps its DataLoader workers hold, queued or being built, when the pipeline is full."""
 
-    def __init__(self, make_iter, length: int, num_samples: int):
-        self._make_iter, self._length, self.num_samples = make_iter, length, num_samples
+    def __init__(self, make_iter, length: int, num_samples: int, in_flight: int = 0):
+        self._make_iter, self._length, self.num_samples, self.in_flight = make_iter, length, num_samples, in_flight
 
     def __iter__(self):
         return self._make_iter()
@@ -163,17 +164,27 @@ def _check_rank(rank, world_size, batch_size, num_workers):
         raise ValueError(f"batch_size={batch_size} must be >= 1 and num_workers={num_workers} >= 0")
 
 
-PREFETCH = 4  # batches each DataLoader worker has in flight (DataLoader's prefetch_factor)
+PREFETCH = 4  # steps each DataLoader worker has in flight, in at least 2 parcels (DataLoader's prefetch_factor)
+PARCEL_BYTES, MAX_PARCEL = 8 << 20, 8  # a parcel's uint8 pixels, about; its steps, at most
+
+
+def parcel_steps(batch_size: int, image_size: int) -> int:
+    """Consecutive steps a loader worker builds and ships as one DataLoader item: as many as fit in
+    ``PARCEL_BYTES`` of pixels, 1 to ``MAX_PARCEL``. The training process pays a fixed cost per item it
+    receives (unpickling, one file-descriptor handoff per tensor, pinning: ~1.7 ms on the 2-core CPU
+    machine, profiled), which a small batch (CIFAR-10's 128 x 32 px: 0.4 MB) would pay every step."""
+    return max(1, min(MAX_PARCEL, PARCEL_BYTES // (batch_size * 3 * image_size * image_size)))
 
 
 class TrainBatch(NamedTuple):
-    """One rank's step as a loader worker ships it: uint8 pixels (cropped, flipped, auto-augmented) and
-    one int64 tensor with the labels and the per-sample draws left for the device (the erasing boxes;
-    see :class:`.device_augment.DeviceAugment`). Two tensors, not one per field: each tensor a worker
+    """A parcel of one or more consecutive steps of a rank, as a loader worker ships it: the steps'
+    samples in step order as one batch of uint8 pixels (cropped, flipped, auto-augmented) and one int64
+    tensor with the labels and the per-sample draws left for the device (the erasing boxes; see
+    :class:`.device_augment.DeviceAugment`). Two tensors, not one per field or step: each tensor a worker
     ships costs the training process a file-descriptor handoff (~0.3 ms each on the 2-core CPU machine)."""
 
-    images: torch.Tensor          # uint8 [B, 3, H, W]
-    meta: torch.Tensor            # int64 [B] labels, then [B * 4] erasing boxes when erasing is on
+    images: torch.Tensor          # uint8 [S * B, 3, H, W]
+    meta: torch.Tensor            # int64 [S * B] labels, then [S * B * 4] erasing boxes when erasing is on
     keys: Optional[list[str]]
 
     @staticmethod
@@ -190,21 +201,23 @@ class TrainBatch(NamedTuple):
 
 
 class _TrainSteps(IterableDataset):
-    """A rank's train steps from ``(epoch, start_batch)`` to the end of epoch ``last_epoch``.
+    """A rank's train steps from ``(epoch, start_batch)`` to the end of epoch ``last_epoch``, in parcels
+    of ``parcel`` consecutive steps (the last one may be shorter).
 
     Every DataLoader worker follows the rank's streams in full and reads, decodes and augments
-    only the steps it owns (step k of the run goes to worker k % num_workers). Local shards are
+    only the parcels it owns (parcel p of the run goes to worker p % num_workers). Local shards are
     followed through an index of their tar headers (:class:`.tario.IndexedShards`, built once per
     worker), so a skipped sample costs a few microseconds, not a tar read; URLs are read in full. So
-    any worker count works, each step is one batch built and shipped by one worker (no assembly
-    in the main process), and the DataLoader's round-robin order is step order.
+    any worker count works, each parcel is built and shipped by one worker (no assembly in the main
+    process), and the DataLoader's round-robin order is step order. A sample's pixels depend on its
+    own seed only, so the parcel size changes no batch.
     """
 
     def __init__(self, urls, *, rank, world_size, num_streams, chunk, steps, seed, epoch, last_epoch,
-                 start_batch, image_size, augment, return_keys):
+                 start_batch, image_size, augment, return_keys, parcel):
         super().__init__()
         self.urls, self.rank, self.world_size, self.num_streams = list(urls), rank, world_size, num_streams
-        self.chunk, self.steps, self.seed, self.return_keys = chunk, steps, seed, return_keys
+        self.chunk, self.steps, self.seed, self.return_keys, self.parcel = chunk, steps, seed, return_keys, parcel
         self.epochs, self.start_batch = range(epoch, last_epoch + 1), start_batch
         self.transform = SampleTransform(image_size, augment, train=True)
         self.device_augment = DeviceAugment(augment)
@@ -215,7 +228,7 @@ class _TrainSteps(IterableDataset):
         mine = reader_streams(self.num_streams, self.rank, self.world_size)
         local = not any(is_url(u) or u.startswith("pipe:") for u in self.urls)
         read = IndexedShards() if local else tarfile_samples  # local tars: read only the samples we decode
-        k = 0
+        k, samples, epochs = 0, [], []  # steps so far; the samples of this worker's parcel being filled
         for epoch in self.epochs:
             streams = open_streams(self.urls, mine, self.num_streams, seed=self.seed, epoch=epoch, read=read)
             first = self.start_batch if epoch == self.epochs.start else 0
@@ -223,13 +236,19 @@ class _TrainSteps(IterableDataset):
                 raw = [sample for stream in streams for sample in islice(stream, self.chunk)]
                 if b < first:
                     continue
-                if k % num_workers == worker:
-                    yield self._batch([read.load(r) for r in raw] if local else raw, epoch)
+                if k // self.parcel % num_workers == worker:
+                    samples += [read.load(r) for r in raw] if local else raw
+                    epochs += [epoch] * len(raw)
+                    if k % self.parcel == self.parcel - 1:
+                        yield self._batch(samples, epochs)
+                        samples, epochs = [], []
                 k += 1
+        if samples:  # the run's last parcel, short
+            yield self._batch(samples, epochs)
 
-    def _batch(self, raw: list[dict], epoch: int) -> TrainBatch:
+    def _batch(self, raw: list[dict], epochs: list[int]) -> TrainBatch:
         decoded = [decode_sample(sample) for sample in raw]
-        seeds = [sample_seeds(self.seed, epoch, s["__pass__"], s["__key__"]) for s in raw]
+        seeds = [sample_seeds(self.seed, epoch, s["__pass__"], s["__key__"]) for s, epoch in zip(raw, epochs)]
         images = torch.stack(self.transform.seeded([img for img, _ in decoded], [a for a, _ in seeds]))
         params = self.device_augment.draw([d for _, d in seeds], *images.shape[-2:])
         images, params = self.device_augment.on_host(images, params)
@@ -238,18 +257,21 @@ class _TrainSteps(IterableDataset):
                           [s["__key__"] for s in raw] if self.return_keys else None)
 
 
-def _on_device(batches: Iterator[TrainBatch], augment: DeviceAugment, device: torch.device,
+def _on_device(parcels: Iterator[TrainBatch], augment: DeviceAugment, device: torch.device, batch_size: int,
                return_keys: bool) -> Iterator[tuple]:
-    """Copy each batch to ``device`` (non-blocking from pinned memory on CUDA) and finish the
-    augmentation there: the CPU ships uint8, the device converts, normalises and erases."""
+    """Copy each parcel to ``device`` (non-blocking from pinned memory on CUDA) and finish the
+    augmentation there (the CPU ships uint8, the device converts, normalises and erases), then hand
+    out its steps' batches one by one, as views."""
     cuda = device.type == "cuda"
-    for batch in batches:
-        images, meta = batch.images, batch.meta
+    for parcel in parcels:
+        images, meta = parcel.images, parcel.meta
         if cuda and not images.is_pinned():  # DataLoader workers pin already (pin_memory=True)
             images, meta = images.pin_memory(), meta.pin_memory()
-        y, params = batch.unpack(meta.to(device, non_blocking=cuda))
+        y, params = parcel.unpack(meta.to(device, non_blocking=cuda))
         x = augment(images.to(device, non_blocking=cuda), params)
-        yield (x, y, batch.keys) if return_keys else (x, y)
+        for i in range(0, len(y), batch_size):
+            step = slice(i, i + batch_size)
+            yield (x[step], y[step], parcel.keys[step]) if return_keys else (x[step], y[step])
 
 
 def _one_ahead_on_side_stream(batches: Iterator[tuple], device: torch.device) -> Iterator[tuple]:
@@ -277,8 +299,8 @@ def _one_ahead_on_side_stream(batches: Iterator[tuple], device: torch.device) ->
 def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_epoch: int, rank: int,
                       world_size: int, epoch: int, seed: int, augment: Optional[dict],
                       last_epoch: Optional[int] = None, start_batch: int = 0, num_workers: int = 0,
-                      prefetch: int = PREFETCH, device: torch.device | str = "cpu", num_streams: Optional[int] = None,
-                      return_keys: bool = False) -> _Loader:
+                      prefetch: Optional[int] = None, parcel: Optional[int] = None, device: torch.device | str = "cpu",
+                      num_streams: Optional[int] = None, return_keys: bool = False) -> _Loader:
     """Exactly ``steps_per_epoch`` full, shuffled, augmented batches of ``batch_size`` on this rank
     for each epoch from ``epoch`` (starting at batch ``start_batch``: mid-epoch resume, the skipped
     batches are read but not decoded) to ``last_epoch`` (default: ``epoch`` alone), on ``device``.
@@ -288,8 +310,10 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
     same augmented pixels for any ``world_size`` dividing ``num_streams`` and any ``num_workers``.
     ``num_streams`` defaults to ``lcm(W, gcd(global batch, 8))`` (8 for the usual power-of-two
     layouts; see :func:`.streams.resolve_num_streams`). One DataLoader (``num_workers`` processes,
-    ``prefetch`` batches each in flight) serves all the epochs, so workers start once per run. On
-    CUDA the next batch is copied and augmented on a side stream while the caller steps on this one.
+    ``prefetch`` parcels each in flight) serves all the epochs, so workers start once per run. Each
+    worker ships ``parcel`` consecutive steps at a time (default :func:`parcel_steps`); the device
+    finishes a parcel at once. On CUDA the next parcel is copied and augmented on a side stream while
+    the caller steps on this one.
     ``return_keys`` (debugging / tests) yields ``(images, labels, keys)`` instead of ``(images, labels)``.
     """
     _check_rank(rank, world_size, batch_size, num_workers)
@@ -307,9 +331,11 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
     ds = _TrainSteps(urls, rank=rank, world_size=world_size, num_streams=num_streams,
                      chunk=batch_size * world_size // num_streams, steps=steps_per_epoch, seed=seed,
                      epoch=epoch, last_epoch=last_epoch, start_batch=start_batch, image_size=image_size,
-                     augment=augment, return_keys=return_keys)
+                     augment=augment, return_keys=return_keys,
+                     parcel=parcel or parcel_steps(batch_size, image_size))
     device = torch.device(device)
     length = (last_epoch - epoch + 1) * steps_per_epoch - start_batch
+    prefetch = prefetch or max(2, PREFETCH // ds.parcel)
     if num_workers == 0:
         source = ds
     else:  # augmentation is seeded per sample; the generator keeps DataLoader off the global torch RNG
@@ -317,9 +343,9 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
                             pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
 
     def batches() -> Iterator[tuple]:
-        on_device = _on_device(iter(source), ds.device_augment, device, return_keys)
+        on_device = _on_device(iter(source), ds.device_augment, device, batch_size, return_keys)
         return _one_ahead_on_side_stream(on_device, device) if device.type == "cuda" else on_device
-    return _Loader(batches, length, length * batch_size)
+    return _Loader(batches, length, length * batch_size, in_flight=num_workers * (prefetch + 1) * ds.parcel)
 
 
 def _rebatch(parts: Iterator[tuple[torch.Tensor, torch.Tensor]], batch_size: int) -> Iterator[tuple]:
