@@ -20,11 +20,6 @@ WAIT_REPORT_S = 30  # how often a wait for cluster resources says so
 REPORT_POLL_VAR, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
 
 
-def world_size(ray_cfg: RayConfig) -> int:
-    """Ranks of a training run: ``ray.num_workers``, or 1 in-process with ``ray.backend: local``."""
-    return 1 if ray_cfg.backend == "local" else ray_cfg.num_workers
-
-
 def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
     """What one rank (a Ray Train worker or an evaluation task) reserves."""
     res = {"CPU": float(ray_cfg.cpus_per_worker)}

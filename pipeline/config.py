@@ -178,6 +178,11 @@ class RayConfig:
     resource_wait_s: float = 600.0
     verbose: bool = False
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of a training run: ``num_workers``, or 1 in-process with ``backend: local``."""
+        return 1 if self.backend == "local" else self.num_workers
+
 
 @dataclass
 class MlflowConfig:
@@ -300,7 +305,7 @@ def validate(p: Params) -> Params:
     _positive("ray.num_workers", p.ray.num_workers)
     for stage in ("pretrain", "finetune"):
         _check_training(stage, getattr(p, stage), p.ray.num_workers)
-        _check_cuda_graph(stage, getattr(p, stage), 1 if p.ray.backend == "local" else p.ray.num_workers)
+        _check_cuda_graph(stage, getattr(p, stage), p.ray.world_size)
     _check_export_and_ray(p)
     return p
 

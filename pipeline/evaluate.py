@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pipeline import storage
-from pipeline.cluster import worker_resources, world_size
+from pipeline.cluster import worker_resources
 from pipeline.config import Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info
 from pipeline.inference import predict_rank, predict_split
@@ -105,7 +105,7 @@ def evaluate(params: Params) -> dict:
     with staged_outputs(*OUTPUTS) as out, \
             stage_run("evaluate", params, extra_params={"model_size": params.model.preset, "image_size": size,
                                                         "patch_size": model.config.patch_size[0],
-                                                        "world_size": world_size(params.ray)},
+                                                        "world_size": params.ray.world_size},
                       tags=model_run_tag(meta)):
         logits, labels = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
         check_exactly_once(labels, info, "test")
@@ -134,6 +134,6 @@ def evaluate(params: Params) -> dict:
             mlflow.log_artifact(str(path))
     print(f"[evaluate] test top-1 {metrics['top1']:.4f}, top-5 {metrics['top5']:.4f}, loss {metrics['loss']:.4f}, "
           f"ECE {metrics['ece']:.4f} "
-          f"on {metrics['num_samples']} images ({world_size(params.ray)} workers); top-1 by resolution "
+          f"on {metrics['num_samples']} images ({params.ray.world_size} workers); top-1 by resolution "
           f"{ {r: round(v, 4) for r, v in metrics['resolution_sweep'].items()} }; pictures in {PLOTS}/", flush=True)
     return metrics

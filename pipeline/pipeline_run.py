@@ -69,10 +69,8 @@ def ui_link(tracking_uri: str, experiment_id: str) -> str:
 
 def pipeline_params(params: Params) -> dict[str, str]:
     """Every params.yaml value, flattened, plus what is derived from them (world size, patch sizes)."""
-    from pipeline.cluster import world_size
-
     flat = {k: v for k, v in flatten(params).items() if not k.startswith("mlflow.")}
-    flat.update({"world_size": world_size(params.ray), "finetune.effective_patch_size": params.finetune_patch_size,
+    flat.update({"world_size": params.ray.world_size, "finetune.effective_patch_size": params.finetune_patch_size,
                  "finetune.init": params.finetune.init or "models/pretrain"})
     return {k: _param_value(v) for k, v in flat.items()}
 

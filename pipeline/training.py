@@ -19,7 +19,6 @@ from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_history
 from pipeline import storage
 from pipeline.tracking import stage_params, stage_run
-from pipeline.cluster import world_size
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
@@ -28,7 +27,7 @@ from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
 def _extra_params(params: Params, recipe: TrainConfig, model: VisionTransformer, info: dict) -> dict:
     c = model.config
     return {"model_size": params.model.preset, "patch_size": c.patch_size[0], "image_size": recipe.image_size,
-            "num_params": sum(p.numel() for p in model.parameters()), "world_size": world_size(params.ray),
+            "num_params": sum(p.numel() for p in model.parameters()), "world_size": params.ray.world_size,
             "global_batch_size": recipe.global_batch_size, "dataset": info.get("source"),
             "num_classes": len(info["classes"])}
 

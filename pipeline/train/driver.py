@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pipeline import storage
-from pipeline.cluster import check_local_capacity, worker_resources, world_size
+from pipeline.cluster import check_local_capacity, worker_resources
 from pipeline.config import ConfigError, Params, RayConfig, TrainConfig
 from pipeline.data import check_shard_files, read_dataset_info
 from pipeline.model import VisionTransformer
@@ -91,7 +91,7 @@ def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTr
     ``logged`` for it, which its tracking run cannot change once they are recorded)."""
     info = read_dataset_info(shard_dir)
     check_shard_files(shard_dir, info)
-    world = world_size(params.ray)
+    world = params.ray.world_size
     check_local_capacity(params.ray)
     check_batch_fits(stage, recipe.global_batch_size, info["counts"]["train"], shard_dir)
     steps = info["counts"]["train"] // recipe.global_batch_size
@@ -127,7 +127,7 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=resolve_tracking_uri(params.tracking_uri),
                   resume_from=latest_checkpoint(run_dir) if run_dir else None, staging_dir=run_dir,
                   step_hooks=step_hooks_from_env() + tuple(step_hooks))
-    loop, world = spec.loop, world_size(params.ray)
+    loop, world = spec.loop, params.ray.world_size
     print(f"[{spec.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
           f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "
           f"{loop.steps_per_epoch} steps/epoch x {loop.epochs} epochs, {loop.loader_workers} loader worker(s) "
