@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -283,6 +284,35 @@ def test_step_hooks_run_by_name_before_each_step(digits_dir, tmp_path):
     assert log.read_text().split() == ["0:0", "0:1", "0:2"]
     with pytest.raises(ValueError, match="step hook 'tests.nope:fn'"):
         load_step_hooks(["tests.nope:fn"])
+
+
+def sleep_step(step: int, ctx, seconds: str) -> None:
+    time.sleep(float(seconds))
+
+
+def test_epoch_reports_the_time_spent_waiting_for_input(digits_dir, tmp_path, capsys):
+    """``input_wait_s`` (timm's data_time): the seconds the loop waited for its batches, not the steps'
+    own time. A hook that sleeps 0.2 s before each of 3 steps makes the epoch long, not the wait."""
+    from pipeline.train.checkpoint import load_state
+    from pipeline.train.context import LocalContext, list_checkpoints
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import _Waited, run_loop
+
+    def slow(n: int):
+        for i in range(n):
+            time.sleep(0.05)
+            yield i
+    items = _Waited(slow(3))
+    assert list(items) == [0, 1, 2] and 0.15 <= items.seconds < 1.0
+
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict()), shard_dir=str(digits_dir), steps_per_epoch=3)
+    run = LoopRun(init_state=model.state_dict(), step_hooks=("tests.test_loop:sleep_step=0.2",))
+    run_loop(cfg, run, LocalContext(str(tmp_path / "run"), use_gpu=False, keep=1))
+    (epoch,) = load_state(tmp_path / "run" / list_checkpoints(str(tmp_path / "run"))[0])["history"]
+    assert epoch["epoch_time_s"] >= 0.6 and 0 < epoch["input_wait_s"] < epoch["epoch_time_s"] - 0.55
+    share = re.search(r"\| input wait (\d+)% \|", capsys.readouterr().out)
+    assert share and abs(int(share[1]) - 100 * epoch["input_wait_s"] / epoch["epoch_time_s"]) <= 0.5 + 1e-9
 
 
 def test_graph_safe_run_checkpoints_and_a_plain_run_continues_it(digits_dir, tmp_path):

@@ -77,7 +77,8 @@ def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, t
                 "pretrain.label_smoothing"):
         assert key in p, key
     assert p["world_size"] == "2" and p["global_batch_size"] == "64"
-    for key in ("train_loss", "train_top1", "val_top1", "lr", "images_per_s", "epoch_time_s", "train_loss_step"):
+    for key in ("train_loss", "train_top1", "val_top1", "lr", "images_per_s", "epoch_time_s", "input_wait_s",
+                "train_loss_step"):
         assert key in m, key
     for key in ("stage", "git.commit", "git.dirty", "dvc.lock", "dataset.manifest", "pipeline.id"):
         assert key in t, key

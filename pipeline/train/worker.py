@@ -234,7 +234,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
             totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, hooks, checkpoint)
             if totals is None:  # diverged, on every rank alike: the driver finds the run short of its end
                 return
-            metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0)
+            metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0, ctx.world_size)
             if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
                 metrics.update(_evaluate(cfg, ctx, stepper, val_loader))
             now = time.time()
@@ -289,16 +289,36 @@ def _log_epoch(logger, metrics: dict, step: int) -> None:
         logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")}, step=step)
 
 
+class _Waited:
+    """An iterator's items, and ``seconds``: how long the caller waited for them (timm's ``data_time``). The
+    host queues a step's device work and moves on, so a loop bound by its input waits here, and one bound
+    by the device waits elsewhere (at the next host sync, or when the launch queue is full)."""
+
+    def __init__(self, items: Iterator):
+        self.items, self.seconds = items, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self.items)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
 def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress, epoch: int,
                  logger, hooks: list[StepHook], checkpoint) -> list | None:
-    """The rest of ``epoch``'s steps; returns [loss sum, correct, samples] summed over all ranks, or None
-    when the training diverged (checked wherever the global loss is on the host, and before a checkpoint)."""
+    """The rest of ``epoch``'s steps; returns [loss sum, correct, samples, seconds waited for input] summed
+    over all ranks, or None when the training diverged (checked wherever the global loss is on the host,
+    and before a checkpoint)."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
     seen = 0
     stepper.model.train()
-    for b, (images, labels) in enumerate(islice(batches, cfg.steps_per_epoch - progress.batch_in_epoch),
-                                         start=progress.batch_in_epoch):
+    steps = _Waited(islice(batches, cfg.steps_per_epoch - progress.batch_in_epoch))
+    for b, (images, labels) in enumerate(steps, start=progress.batch_in_epoch):
         for hook in hooks:
             hook(progress.step, ctx)
         step_loss, step_correct = stepper(images, labels)
@@ -315,7 +335,7 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
             return None
         if save:
             checkpoint({"step": progress.step, "epoch": epoch})
-    totals = _all_reduce([loss_sum, correct, seen], ctx.device)
+    totals = _all_reduce([loss_sum, correct, seen, steps.seconds], ctx.device)
     return None if _diverged(cfg, ctx, stepper, totals[0], progress.step, epoch) else totals
 
 
@@ -331,11 +351,11 @@ def _diverged(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, loss: float,
     return True
 
 
-def _epoch_metrics(stepper: Stepper, totals: list, epoch: int, step: int, elapsed: float) -> dict:
-    loss_sum, correct, seen = totals
+def _epoch_metrics(stepper: Stepper, totals: list, epoch: int, step: int, elapsed: float, ranks: int) -> dict:
+    loss_sum, correct, seen, waited = totals
     return {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(seen, 1),
             "train_top1": correct / max(seen, 1), "lr": stepper.lr(),
-            "images_per_s": seen / max(elapsed, 1e-9), "epoch_time_s": elapsed}
+            "images_per_s": seen / max(elapsed, 1e-9), "epoch_time_s": elapsed, "input_wait_s": waited / ranks}
 
 
 def _evaluate(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, val_loader) -> dict:
@@ -366,5 +386,6 @@ def _print_epoch(cfg: LoopConfig, metrics: dict, eta: float) -> None:
     val = "".join(f" {k} {metrics[k]:.4f}" for k in ("val_loss", "val_top1", "val_top1_ema") if k in metrics)
     print(f"[{cfg.stage}] epoch {metrics['epoch']}/{cfg.epochs} step {metrics['step']} "
           f"loss {metrics['train_loss']:.4f} top1 {metrics['train_top1']:.4f}{val} | "
-          f"{metrics['images_per_s']:.0f} img/s | {metrics['epoch_time_s']:.1f}s/epoch | ETA {_fmt_time(eta)}",
+          f"{metrics['images_per_s']:.0f} img/s | input wait {metrics['input_wait_s'] / max(metrics['epoch_time_s'], 1e-9):.0%} | "
+          f"{metrics['epoch_time_s']:.1f}s/epoch | ETA {_fmt_time(eta)}",
           flush=True)
