@@ -65,14 +65,16 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
               f"replaced, its MLflow run is marked KILLED; run it again to resume from the last checkpoint",
               128 + signum)
     except Exception as exc:
-        known = _known_failure(_raised_on_ray_worker(exc))
+        known = _known_failure(_raised_on_ray_worker(exc), name or fn.__name__)
         if known is None:
             raise  # a bug: the traceback is what its reader needs
         _fail(*known)
 
 
-def _known_failure(exc: BaseException) -> tuple[str, int] | None:
+def _known_failure(exc: BaseException, stage: str = "") -> tuple[str, int] | None:
     """The one line and exit code for a problem the README's "When things go wrong" lists, else None."""
+    if _out_of_memory(exc):
+        return f"error: out of memory: {_smaller_step(str(exc), stage)}", EXIT_FAILED
     if isinstance(exc, ConfigError):
         return f"error: {exc}", EXIT_CONFIG
     if isinstance(exc, StageBusy):
@@ -83,6 +85,26 @@ def _known_failure(exc: BaseException) -> tuple[str, int] | None:
         where = f"{exc.filename}: " if exc.filename else ""
         return f"error: {where}{exc.strerror or exc}", EXIT_FAILED
     return None
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """torch could not allocate: on a GPU (``torch.OutOfMemoryError``) or on the CPU (a RuntimeError)."""
+    torch = sys.modules.get("torch")  # not imported here: a stage that ran out of memory has imported it
+    if torch is not None and isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+
+
+def _smaller_step(message: str, stage: str) -> str:
+    """torch's own account (what it tried to allocate, what was free; not its allocator's statistics),
+    then the params that shrink what a step of ``stage`` holds."""
+    what = message.split(" Including non-PyTorch memory")[0].split(" Of the allocated memory")[0].strip()
+    if stage in ("pretrain", "finetune"):
+        return (f"{what} A rank's {stage} step holds {stage}.global_batch_size / ray.num_workers images: lower "
+                f"{stage}.global_batch_size, or keep it and set {stage}.max_worker_batch (the step accumulates "
+                f"gradients over micro-batches that size) or {stage}.grad_checkpointing: true (activations "
+                f"recomputed in the backward)")
+    return f"{what} Lower evaluate.batch_size" if stage == "evaluate" else what
 
 
 def _raised_on_ray_worker(exc: BaseException) -> BaseException:

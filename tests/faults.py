@@ -16,9 +16,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+OOM = ("CUDA out of memory. Tried to allocate 12.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+       "3.06 GiB is free. Including non-PyTorch memory, this process has 76.12 GiB memory in use. Of the allocated "
+       "memory 74.90 GiB is allocated by PyTorch, and 0.70 GiB is reserved by PyTorch but unallocated.")  # torch's form
+
+
 def fail_once(step: int, ctx, spec: str) -> None:
-    """``spec`` = ``raise@N:MARKER`` or ``kill@N:MARKER``: before step N, on the last rank, once per
-    marker file, raise (a worker error) or SIGKILL the rank's process (a lost worker)."""
+    """``spec`` = ``raise@N:MARKER``, ``oom@N:MARKER`` or ``kill@N:MARKER``: before step N, on the last
+    rank, once per marker file, raise (a worker error; with oom, torch's out-of-memory error, as a GPU
+    raises it) or SIGKILL the rank's process (a lost worker)."""
     mode, rest = spec.split("@", 1)
     at, marker = rest.split(":", 1)
     if step != int(at) or ctx.rank != ctx.world_size - 1 or Path(marker).exists():
@@ -27,6 +33,9 @@ def fail_once(step: int, ctx, spec: str) -> None:
     time.sleep(5)  # let Ray Train's controller collect the last report (it polls every 2 s)
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "oom":
+        import torch
+        raise torch.OutOfMemoryError(OOM)
     raise RuntimeError(f"injected failure at step {step}")
 
 

@@ -175,6 +175,46 @@ def test_errors_raised_on_ray_workers_are_reported_as_their_own(wrap):
     assert _known_failure(_raised_on_ray_worker(wrapped(KeyError("a bug")))) is None
 
 
+def test_out_of_memory_is_one_line_naming_the_params_that_shrink_a_step():
+    """torch's account of what it could not allocate (not its allocator's statistics), then the stage's
+    params that make a step hold less; on a Ray rank as in-process; on the CPU as on a GPU."""
+    from ray.train import WorkerGroupError
+
+    from pipeline.cli import _known_failure, _raised_on_ray_worker
+    from tests.faults import OOM
+
+    gpu = ("error: out of memory: CUDA out of memory. Tried to allocate 12.00 GiB. GPU 0 has a total capacity of "
+           "79.19 GiB of which 3.06 GiB is free.")
+    on_rank = WorkerGroupError("rank 1: Traceback ...", {1: torch.OutOfMemoryError(OOM)})
+    assert _known_failure(_raised_on_ray_worker(on_rank), "finetune") == (
+        f"{gpu} A rank's finetune step holds finetune.global_batch_size / ray.num_workers images: lower "
+        "finetune.global_batch_size, or keep it and set finetune.max_worker_batch (the step accumulates gradients "
+        "over micro-batches that size) or finetune.grad_checkpointing: true (activations recomputed in the "
+        "backward)", 1)
+    assert _known_failure(torch.OutOfMemoryError(OOM), "evaluate") == (f"{gpu} Lower evaluate.batch_size", 1)
+    with pytest.raises(RuntimeError) as cpu:
+        torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: refused at once, whatever the machine
+    line, code = _known_failure(cpu.value, "pretrain")
+    assert line.startswith("error: out of memory: [enforce fail") and "pretrain.max_worker_batch" in line and code == 1
+    assert _known_failure(RuntimeError("a bug"), "pretrain") is None
+
+
+@pytest.mark.slow
+def test_out_of_memory_on_a_ray_rank_ends_the_stage_in_one_line(tmp_path, monkeypatch):
+    """A rank that runs out of memory (torch's error, raised where a step would) ends the stage with
+    exit 1 and the one line, after Ray's own report of the rank's traceback."""
+    from tests.faults import inject_fault
+
+    repo = sharded_short_run(tmp_path / "repo")
+    inject_fault(monkeypatch, f"oom@2:{tmp_path / 'oom'}")
+    proc = run(["python", "-m", "stages.pretrain"], repo, timeout=300)
+    assert proc.returncode == 1 and (tmp_path / "oom").exists(), proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: out of memory: CUDA out of memory. Tried to allocate 12.00 GiB.") and (
+        last.endswith("pretrain.grad_checkpointing: true (activations recomputed in the backward)")), last
+    assert not (repo / "models/pretrain").exists()
+
+
 def test_staged_outputs_publish_together_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("models/m").mkdir(parents=True)
