@@ -393,16 +393,16 @@ def test_run_name_covers_every_param_the_run_logs(digits_dir):
 def test_input_scaling_reports_each_worker_count(digits_dir):
     """``--input-scaling``: the input alone per loader-worker count in the steady state, with where the CPU
     time goes (this process vs the workers), as the GPU runbook runs it; a bad count is one clear line."""
-    proc = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "6",
-                             "--input-scaling", "0,2")
+    proc = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "32",
+                             "--input-scaling", "0,2")  # 4 parcels of 8 steps: the workers' CPU shows in /proc ticks
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"input alone by loader workers \(6 steps each after \d+ untimed, batch 64; the workers run "
+    assert re.search(r"input alone by loader workers \(32 steps each after \d+ untimed, batch 64; the workers run "
                      r"on .+ \(\d+ cores.*\)\):", proc.stdout)
     rows = {int(r[0]): [float(v) for v in r[1:]] for r in (line.split() for line in proc.stdout.splitlines())
             if len(r) == 6 and r[0].isdigit()}
     assert sorted(rows) == [0, 2]
     for count, (rate, per_worker, ms, main_cpu, workers_cpu) in rows.items():
-        assert rate > 0 and ms == pytest.approx(64 / rate * 1e3, rel=0.02)
+        assert rate > 0 and abs(ms - 64 / rate * 1e3) <= 0.051  # ms/batch as printed: 1 decimal
         assert per_worker == pytest.approx(rate / max(count, 1), rel=0.01)
         assert main_cpu > 0
     assert rows[0][4] == 0 and rows[2][4] > 0  # no workers: all in this process; two: they did the work
