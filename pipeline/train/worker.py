@@ -326,7 +326,7 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
         correct += step_correct
         seen += labels.numel()
         progress.step, progress.batch_in_epoch = progress.step + 1, b + 1
-        global_loss = _log_step(cfg, ctx, logger, progress.step, step_loss / labels.numel(), stepper)
+        global_loss = _log_step(cfg, ctx, logger, progress.step, step_loss, labels.numel(), stepper)
         every = cfg.checkpoint_every_steps
         save = every and progress.step % every == 0 and progress.batch_in_epoch < cfg.steps_per_epoch
         if save and global_loss is None:
@@ -366,14 +366,14 @@ def _evaluate(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, val_loader) 
     return metrics
 
 
-def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss: torch.Tensor,
+def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss_sum: torch.Tensor, samples: int,
               stepper: Stepper) -> float | None:
     """Every ``log_every_steps``: the step's mean loss over the global batch (all ranks join the
     all-reduce, rank 0 logs), returned; None on other steps. The only host sync inside an epoch
-    (besides a mid-epoch checkpoint's)."""
+    (besides a mid-epoch checkpoint's), and no device work on the other steps."""
     if step % cfg.log_every_steps and step != 1:
         return None
-    global_loss = _all_reduce([loss], ctx.device)[0] / ctx.world_size
+    global_loss = _all_reduce([loss_sum], ctx.device)[0] / (samples * ctx.world_size)
     if logger:
         metrics = {"train_loss_step": global_loss, "lr_step": stepper.lr()}
         if stepper.grad_norm is not None:  # after DDP's all-reduce: the same on every rank
