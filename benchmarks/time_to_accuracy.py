@@ -27,6 +27,7 @@ STARTED = time.time()  # the command's wall time and --max-minutes count from he
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -121,8 +122,17 @@ def train_stage(stage: str, params: Params, shard_dir: Path, info: dict, model: 
     result = fit(spec, params, model, step_hooks=hooks)
     model_dir = save_model(result.model, Path(params.ray.storage_path) / spec.run_name / "model",
                            extra=model_meta(stage, recipe, info, spec.run_name))
-    report = {"run": spec.run_name, "epochs": result.history[-1]["epoch"], **stage_summary(result)}
+    report = {"run": spec.run_name, "epochs": result.history[-1]["epoch"], **stage_summary(result),
+              **pace(result.history)}
     return report, model_dir
+
+
+def pace(history: list[dict]) -> dict:
+    """How fast the loop trained and what bound it: medians over the epochs (robust to the first
+    epoch of each launch, which holds the compiles) of images/s and of the share of an epoch the loop
+    waited for its input (near 1: the input bounds it; near 0: the step)."""
+    return {"images_per_s": statistics.median(e["images_per_s"] for e in history),
+            "input_wait_share": statistics.median(e["input_wait_s"] / e["epoch_time_s"] for e in history)}
 
 
 def evaluate_test(model_dir: Path, shard_dir: Path, params: Params, device: torch.device) -> dict:
@@ -154,7 +164,8 @@ def print_summary(report: dict) -> None:
     for stage, s in report["stages"].items():
         reached = ", ".join(f"{lvl} % at epoch {s[f'epoch_to_top1_{lvl}']} ({s[f'time_to_top1_{lvl}_s']:.1f} s)"
                             if f"epoch_to_top1_{lvl}" in s else f"{lvl} % not reached" for lvl in LEVELS)
-        print(f"  {stage:<9}: {s['epochs']} epoch(s), {s['wall_time_s']:.1f} s training; kept epoch {s['kept_epoch']} "
+        print(f"  {stage:<9}: {s['epochs']} epoch(s), {s['wall_time_s']:.1f} s training, {s['images_per_s']:.0f} img/s, "
+              f"input wait {s['input_wait_share']:.0%} (medians over epochs); kept epoch {s['kept_epoch']} "
               f"({s['kept_source']} weights), val top-1 {s['kept_val_top1']:.4f}; val {reached}")
     print(f"  test     : top-1 {report['test_top1']:.4f}, loss {report['test_loss']:.4f} "
           f"({report['test_images']} images)")

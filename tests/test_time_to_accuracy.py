@@ -60,6 +60,9 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
     assert report["test_images"] == read_dataset_info(digits_dir)["counts"]["test"]
     assert (report["stages"]["pretrain"]["epochs"], report["stages"]["finetune"]["epochs"]) == (3, 1)
     assert all(s["wall_time_s"] > 0 for s in report["stages"].values())
+    for stage, s in report["stages"].items():  # the loop's pace: medians over its epochs
+        assert s["images_per_s"] > 0 and 0 < s["input_wait_share"] < 1
+        assert f"{s['images_per_s']:.0f} img/s, input wait {s['input_wait_share']:.0%} (medians" in second.stdout
     top1, count = saved_test_top1(report["model_dir"], digits_dir)
     assert count == report["test_images"] and top1 == pytest.approx(report["test_top1"], abs=1e-12)
 
