@@ -315,6 +315,29 @@ def test_epoch_reports_the_time_spent_waiting_for_input(digits_dir, tmp_path, ca
     assert share and abs(int(share[1]) - 100 * epoch["input_wait_s"] / epoch["epoch_time_s"]) <= 0.5 + 1e-9
 
 
+def test_a_long_epoch_prints_lines_within_it(digits_dir, tmp_path, capsys, monkeypatch):
+    """Rank 0 prints a line within an epoch at a logged step once none has come for PROGRESS_EVERY_S
+    (here 0: at every logged step), with the step's global loss, the pace and the ETA."""
+    from pipeline.train import worker
+    from pipeline.train.context import LocalContext
+    from pipeline.train.loop_config import LoopRun
+
+    monkeypatch.setattr(worker, "PROGRESS_EVERY_S", 0.0)
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), log_every_steps=2), shard_dir=str(digits_dir),
+                              steps_per_epoch=5)
+    worker.run_loop(cfg, LoopRun(init_state=model.state_dict()), LocalContext(str(tmp_path), use_gpu=False, keep=1))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[pretrain] epoch 1/1 ")]
+    within = [re.fullmatch(r"\[pretrain\] epoch 1/1 step (\d)/5 loss \d+\.\d{4} \| \d+ img/s \| input wait \d+% \| "
+                           r"ETA 0:00:\d\d", ln) for ln in lines[:-1]]
+    assert [m and m[1] for m in within] == ["1", "2", "4"]  # step 1, then every log_every_steps
+    assert lines[-1].startswith("[pretrain] epoch 1/1 step 5 loss ")  # the epoch's own line
+    monkeypatch.setattr(worker, "PROGRESS_EVERY_S", 3600.0)  # a short epoch: its own line only
+    worker.run_loop(cfg, LoopRun(init_state=model.state_dict()), LocalContext(str(tmp_path / "b"), use_gpu=False,
+                                                                             keep=1))
+    assert [ln[:30] for ln in capsys.readouterr().out.splitlines() if " epoch 1/1 " in ln] == [lines[-1][:30]]
+
+
 def test_graph_safe_run_checkpoints_and_a_plain_run_continues_it(digits_dir, tmp_path):
     """A ``cuda_graph: true`` run (on a CPU its graph-safe step runs eagerly) checkpoints its tensor
     learning rates and EMA; a plain run continues from its first epoch (``cuda_graph`` is not part of

@@ -222,8 +222,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
         return
     extra = {"config": cfg.model, "train_config": dataclasses.asdict(cfg)}
     batches, val_loader = _loaders(cfg, ctx, progress)
-    run_start, start_step = time.time(), progress.step
-    clock = run_start  # wall_time_s counts from here: every epoch, evaluation and checkpoint but the last
+    pace = _Pace(progress.step, cfg.epochs * cfg.steps_per_epoch)
+    clock = pace.start  # wall_time_s counts from here: every epoch, evaluation and checkpoint but the last
 
     def checkpoint(metrics: dict) -> None:
         save_and_report(metrics, ctx=ctx, objects=objects, progress=progress, extra=extra)
@@ -231,7 +231,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     with _run_logger(run, ctx) as logger:
         for epoch in range(progress.epoch, cfg.epochs):
             t0 = time.time()
-            totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, hooks, checkpoint)
+            totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, hooks, checkpoint, pace)
             if totals is None:  # diverged, on every rank alike: the driver finds the run short of its end
                 return
             metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0, ctx.world_size)
@@ -246,8 +246,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
             progress.history.append(metrics)
             progress.epoch, progress.batch_in_epoch = epoch + 1, 0
             if ctx.rank == 0:
-                _print_epoch(cfg, metrics, eta=(time.time() - run_start) / max(1, progress.step - start_step)
-                             * (cfg.epochs * cfg.steps_per_epoch - progress.step))
+                _print_epoch(cfg, metrics, eta=pace.line(progress.step))
                 _log_epoch(logger, metrics, progress.step)
             if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == cfg.epochs or selection.stopped:
                 checkpoint(metrics)
@@ -289,6 +288,26 @@ def _log_epoch(logger, metrics: dict, step: int) -> None:
         logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")}, step=step)
 
 
+PROGRESS_EVERY_S = 60.0  # an epoch longer than this also gets lines within it, at most this often
+
+
+class _Pace:
+    """Rank 0's console clock: the run's ETA from its pace since this launch began, and whether a line
+    within the epoch is due (none for ``PROGRESS_EVERY_S`` since the last line)."""
+
+    def __init__(self, step: int, total_steps: int):
+        self.start = self.printed = time.time()
+        self.start_step, self.total_steps = step, total_steps
+
+    def line(self, step: int) -> float:
+        """A line is printed now, after ``step`` steps: the ETA it shows."""
+        self.printed = time.time()
+        return (self.printed - self.start) / max(1, step - self.start_step) * (self.total_steps - step)
+
+    def due(self) -> bool:
+        return time.time() - self.printed >= PROGRESS_EVERY_S
+
+
 class _Waited:
     """An iterator's items, and ``seconds``: how long the caller waited for them (timm's ``data_time``). The
     host queues a step's device work and moves on, so a loop bound by its input waits here, and one bound
@@ -309,13 +328,13 @@ class _Waited:
 
 
 def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress, epoch: int,
-                 logger, hooks: list[StepHook], checkpoint) -> list | None:
+                 logger, hooks: list[StepHook], checkpoint, pace: _Pace) -> list | None:
     """The rest of ``epoch``'s steps; returns [loss sum, correct, samples, seconds waited for input] summed
     over all ranks, or None when the training diverged (checked wherever the global loss is on the host,
-    and before a checkpoint)."""
+    and before a checkpoint). In a long epoch rank 0 prints a line at a logged step when one is due."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
-    seen = 0
+    seen, start = 0, time.time()
     stepper.model.train()
     steps = _Waited(islice(batches, cfg.steps_per_epoch - progress.batch_in_epoch))
     for b, (images, labels) in enumerate(steps, start=progress.batch_in_epoch):
@@ -333,6 +352,11 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
             global_loss = _all_reduce([step_loss], ctx.device)[0]
         if global_loss is not None and _diverged(cfg, ctx, stepper, global_loss, progress.step, epoch):
             return None
+        if global_loss is not None and ctx.rank == 0 and pace.due():
+            elapsed = time.time() - start
+            print(f"[{cfg.stage}] epoch {epoch + 1}/{cfg.epochs} step {b + 1}/{cfg.steps_per_epoch} loss "
+                  f"{global_loss:.4f} | {seen * ctx.world_size / elapsed:.0f} img/s | input wait "
+                  f"{steps.seconds / elapsed:.0%} | ETA {_fmt_time(pace.line(progress.step))}", flush=True)
         if save:
             checkpoint({"step": progress.step, "epoch": epoch})
     totals = _all_reduce([loss_sum, correct, seen, steps.seconds], ctx.device)
