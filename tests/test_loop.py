@@ -317,15 +317,16 @@ def test_epoch_reports_the_time_spent_waiting_for_input(digits_dir, tmp_path, ca
 
 def test_a_long_epoch_prints_lines_within_it(digits_dir, tmp_path, capsys, monkeypatch):
     """Rank 0 prints a line within an epoch at a logged step once none has come for PROGRESS_EVERY_S
-    (here 0: at every logged step), with the step's global loss, the pace and the ETA."""
+    (here 0: at every logged step), with the step's global loss, the pace and the ETA; not at a step
+    that only checkpoints."""
     from pipeline.train import worker
     from pipeline.train.context import LocalContext
     from pipeline.train.loop_config import LoopRun
 
     monkeypatch.setattr(worker, "PROGRESS_EVERY_S", 0.0)
     model = _model()
-    cfg = dataclasses.replace(_cfg(model.config.to_dict(), log_every_steps=2), shard_dir=str(digits_dir),
-                              steps_per_epoch=5)
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), log_every_steps=2, checkpoint_every_steps=3),
+                              shard_dir=str(digits_dir), steps_per_epoch=5)
     worker.run_loop(cfg, LoopRun(init_state=model.state_dict()), LocalContext(str(tmp_path), use_gpu=False, keep=1))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[pretrain] epoch 1/1 ")]
     within = [re.fullmatch(r"\[pretrain\] epoch 1/1 step (\d)/5 loss \d+\.\d{4} \| \d+ img/s \| input wait \d+% \| "

@@ -345,18 +345,17 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
         correct += step_correct
         seen += labels.numel()
         progress.step, progress.batch_in_epoch = progress.step + 1, b + 1
-        global_loss = _log_step(cfg, ctx, logger, progress.step, step_loss, labels.numel(), stepper)
+        logged = global_loss = _log_step(cfg, ctx, logger, progress.step, step_loss, labels.numel(), stepper)
         every = cfg.checkpoint_every_steps
         save = every and progress.step % every == 0 and progress.batch_in_epoch < cfg.steps_per_epoch
         if save and global_loss is None:
             global_loss = _all_reduce([step_loss], ctx.device)[0]
         if global_loss is not None and _diverged(cfg, ctx, stepper, global_loss, progress.step, epoch):
             return None
-        if global_loss is not None and ctx.rank == 0 and pace.due():
+        if logged is not None and ctx.rank == 0 and pace.due():
             elapsed = time.time() - start
-            print(f"[{cfg.stage}] epoch {epoch + 1}/{cfg.epochs} step {b + 1}/{cfg.steps_per_epoch} loss "
-                  f"{global_loss:.4f} | {seen * ctx.world_size / elapsed:.0f} img/s | input wait "
-                  f"{steps.seconds / elapsed:.0%} | ETA {_fmt_time(pace.line(progress.step))}", flush=True)
+            _print_within(cfg, epoch, b + 1, logged, seen * ctx.world_size / elapsed, steps.seconds / elapsed,
+                          eta=pace.line(progress.step))
         if save:
             checkpoint({"step": progress.step, "epoch": epoch})
     totals = _all_reduce([loss_sum, correct, seen, steps.seconds], ctx.device)
@@ -404,6 +403,12 @@ def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss_sum: t
             metrics["grad_norm_step"] = stepper.grad_norm.item()
         logger.log_metrics(metrics, step=step)
     return global_loss
+
+
+def _print_within(cfg: LoopConfig, epoch: int, batch: int, loss: float, images_per_s: float, wait_share: float,
+                  eta: float) -> None:
+    print(f"[{cfg.stage}] epoch {epoch + 1}/{cfg.epochs} step {batch}/{cfg.steps_per_epoch} loss {loss:.4f} | "
+          f"{images_per_s:.0f} img/s | input wait {wait_share:.0%} | ETA {_fmt_time(eta)}", flush=True)
 
 
 def _print_epoch(cfg: LoopConfig, metrics: dict, eta: float) -> None:
