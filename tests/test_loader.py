@@ -158,11 +158,12 @@ def test_train_any_worker_count(digits_dir, augment, parcel):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_batches_made_one_ahead_on_a_side_stream(digits_dir):
-    """On a GPU, batch k + 1 is copied and augmented on a side stream while step k runs: each batch still
-    arrives complete (the CPU's pixels, to rounding), overwriting a batch at once spoils none of the next,
-    and taking a batch never syncs the host."""
+    """On a GPU, the parcel of step k + 1 is copied and augmented on a side stream while step k runs: each
+    batch still arrives complete (the CPU's pixels, to rounding), overwriting a batch at once spoils none
+    of the next, and taking a batch never syncs the host (parcels of 2 steps: two of the three are issued
+    while the host is watched)."""
     kw = dict(batch_size=16, image_size=16, steps_per_epoch=6, rank=0, world_size=1, epoch=0, seed=3,
-              augment=AUG_ALL_RANDOM)
+              augment=AUG_ALL_RANDOM, parcel=2)
     cpu = list(make_train_loader(digits_dir, **kw))
     batches = iter(make_train_loader(digits_dir, device="cuda", **kw))
     got = [tuple(t.clone() for t in next(batches))]  # the first call per device copies constants over
