@@ -174,7 +174,7 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
     proc = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "2",
                              "--rounds", "1", "--set", "ray.loader_workers=1", "--set", "model.depth=1",
                              "--set", "pretrain.compile=true", "--compare-eager", "--compare-mode", "reduce-overhead",
-                             "--compare-graph", "--profile", tmp_path / "profile", "--profile-steps", "2")
+                             "--compare-graph", "--profile", tmp_path / "profile", "--profile-steps", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in proc.stdout.splitlines() if ":" in line}
     alone, eager, fed = (float(lines[f"median {k}"].split()[0]) for k in ("model alone", "eager alone", "full loop"))
@@ -188,9 +188,10 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
         ratio, speedup = lines[f"{name} loop"].split("feed ratio ")[1].split("; ")
         _printed_ratio(ratio, twin_fed, twin_alone)
         _printed_ratio(speedup.split("x")[0], twin_fed, fed)
-    wall = float(lines["profile, 2 full-loop steps (profiler on)"].split()[0])
+    wall = float(lines["profile, 8 full-loop steps (profiler on)"].split()[0])
     host = [float(lines[f"host, {k}"].split()[0]) for k in ("input", "train step")]
-    assert 0 < sum(host) <= wall * 1.05 and min(host) > 0  # both inside the timed steps
+    # both inside the timed steps; 8 steps (a parcel here) always hold one parcel's fetch, where the input works
+    assert 0 < sum(host) <= wall * 1.05 and min(host) > 0
     trace = json.loads((tmp_path / "profile" / "trace.json").read_text())
     assert {"input", "train_step"} <= {e.get("name") for e in trace["traceEvents"]}
 
