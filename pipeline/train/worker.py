@@ -413,8 +413,9 @@ def _print_within(cfg: LoopConfig, epoch: int, batch: int, loss: float, images_p
 
 def _print_epoch(cfg: LoopConfig, metrics: dict, eta: float) -> None:
     val = "".join(f" {k} {metrics[k]:.4f}" for k in ("val_loss", "val_top1", "val_top1_ema") if k in metrics)
+    wait = metrics["input_wait_s"] / max(metrics["epoch_time_s"], 1e-9)
     print(f"[{cfg.stage}] epoch {metrics['epoch']}/{cfg.epochs} step {metrics['step']} "
           f"loss {metrics['train_loss']:.4f} top1 {metrics['train_top1']:.4f}{val} | "
-          f"{metrics['images_per_s']:.0f} img/s | input wait {metrics['input_wait_s'] / max(metrics['epoch_time_s'], 1e-9):.0%} | "
+          f"{metrics['images_per_s']:.0f} img/s | input wait {wait:.0%} | "
           f"{metrics['epoch_time_s']:.1f}s/epoch | ETA {_fmt_time(eta)}",
           flush=True)
