@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from pipeline.config import ConfigError, Params, load_params
+from pipeline.config import TRAINING_STAGES, ConfigError, Params, load_params
 from pipeline.signals import raise_on_signals, received
 from pipeline.utils import freeze_heap_at_exit
 
@@ -99,7 +99,7 @@ def _smaller_step(message: str, stage: str) -> str:
     """torch's own account (what it tried to allocate, what was free; not its allocator's statistics),
     then the params that shrink what a step of ``stage`` holds."""
     what = message.split(" Including non-PyTorch memory")[0].split(" Of the allocated memory")[0].strip()
-    if stage in ("pretrain", "finetune"):
+    if stage in TRAINING_STAGES:
         return (f"{what} A rank's {stage} step holds {stage}.global_batch_size / ray.num_workers images: lower "
                 f"{stage}.global_batch_size, or keep it and set {stage}.max_worker_batch (the step accumulates "
                 f"gradients over micro-batches that size) or {stage}.grad_checkpointing: true (activations "

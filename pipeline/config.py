@@ -28,6 +28,7 @@ AMP_MODES = ("auto", "bf16", "fp16", "off")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes above that replay the step as CUDA graphs
 BACKENDS = ("ray", "local")
+TRAINING_STAGES = ("pretrain", "finetune")  # also the names of their data sections (data.<stage>)
 INIT_SOURCES = ("pipeline", "timm", "torchvision")  # finetune.init_source: whose key layout a weights file has
 HEADS = ("auto", "new")  # finetune.head: keep the pretrained head when the classes are its own, or always new
 ENCODINGS = ("source", "raw")  # data.<name>.encoding: the source's bytes, or decoded pixels (binary PPM)
@@ -299,11 +300,11 @@ def _model_check(check, *args) -> None:
 def validate(p: Params) -> Params:
     """Cross-field checks that a type check alone cannot catch (local imports: config stays
     importable without torch)."""
-    for name in ("pretrain", "finetune"):
+    for name in TRAINING_STAGES:
         _check_data(f"data.{name}", getattr(p.data, name))
     _check_model(p)
     _positive("ray.num_workers", p.ray.num_workers)
-    for stage in ("pretrain", "finetune"):
+    for stage in TRAINING_STAGES:
         _check_training(stage, getattr(p, stage), p.ray.num_workers)
         _check_cuda_graph(stage, getattr(p, stage), p.ray.world_size)
     _check_export_and_ray(p)

@@ -12,7 +12,7 @@ import torch
 
 from pipeline import storage
 from pipeline.cluster import worker_resources
-from pipeline.config import Params
+from pipeline.config import TRAINING_STAGES, Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info
 from pipeline.inference import predict_rank, predict_split
 from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
@@ -122,7 +122,7 @@ def evaluate(params: Params) -> dict:
         atomic_write_text(out[PLOTS / "per_class.csv"], "class,precision,recall,f1,support\n" + "".join(
             f"{s['class']},{s['precision']:.6f},{s['recall']:.6f},{s['f1']:.6f},{s['support']}\n" for s in scores))
         plot_confusion(matrix, classes, out[PLOTS / "confusion.png"])
-        histories = {s: _read_history(PLOTS / f"{s}_history.csv") for s in ("pretrain", "finetune")}
+        histories = {s: _read_history(PLOTS / f"{s}_history.csv") for s in TRAINING_STAGES}
         plot_history({s: h for s, h in histories.items() if h}, out[PLOTS / "curves.png"])
         attention_figure(model, shard_dir, meta, out[PLOTS / "attention.png"])
         atomic_write_json(out[METRICS / "evaluate.json"], metrics)

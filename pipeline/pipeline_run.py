@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import storage
-from pipeline.config import Params, flatten
+from pipeline.config import TRAINING_STAGES, Params, flatten
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "model training" experiment type (not GenAI)
@@ -179,7 +179,7 @@ def stage_results(stage: str) -> dict[str, float]:
     except (OSError, ValueError):
         return {}
     out: dict[str, float] = {}
-    if stage in ("pretrain", "finetune"):
+    if stage in TRAINING_STAGES:
         for k in ("val_top1", "val_loss", "train_loss", "train_top1", "kept_val_top1", "kept_epoch"):
             if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool):
                 out[f"{stage}.{k}"] = float(m[k])
