@@ -119,6 +119,7 @@ class TrainConfig:
     ema_warmup: bool = True
     keep: str = "last"
     early_stop_patience: Optional[int] = None
+    time_budget_minutes: Optional[float] = None
     amp: str = "auto"
     layer_decay: Optional[float] = None
     max_worker_batch: Optional[int] = None
@@ -366,6 +367,7 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
     _choice(f"{stage}.keep", t.keep, KEEP_CHOICES)
     if t.early_stop_patience is not None:
         _positive(f"{stage}.early_stop_patience", t.early_stop_patience)
+    _check_time_budget(stage, t)
     for k in ("ema_decay", "layer_decay"):
         v = getattr(t, k)
         if v is not None and not 0.0 < v <= 1.0:
@@ -382,6 +384,18 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
     if t.global_batch_size % num_workers:
         raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
                           f"ray.num_workers={num_workers} (each worker gets an equal share)")
+
+
+def _check_time_budget(stage: str, t: TrainConfig) -> None:
+    from pipeline.train.budget import PLAN_AFTER_EPOCHS
+
+    if t.time_budget_minutes is None:
+        return
+    _positive(f"{stage}.time_budget_minutes", t.time_budget_minutes)
+    if t.warmup_epochs < PLAN_AFTER_EPOCHS:
+        raise ConfigError(f"{stage}.time_budget_minutes needs {stage}.warmup_epochs >= {PLAN_AFTER_EPOCHS}, "
+                          f"got {t.warmup_epochs!r}: the run's length is fixed after epoch {PLAN_AFTER_EPOCHS}, "
+                          f"and only a warm-up's learning rates do not depend on it")
 
 
 def _check_cuda_graph(stage: str, t: TrainConfig, ranks: int) -> None:

@@ -90,8 +90,8 @@ def model_meta(stage: str, recipe: TrainConfig, info: dict, run_name: str) -> di
 def stage_summary(result: TrainResult) -> dict:
     """metrics/<stage>.json: the last epoch's numbers and which weights were kept."""
     final = result.history[-1]
-    summary = {k: final[k] for k in ("train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema", "step",
-                                     "images_seen") if k in final}
+    summary = {k: final[k] for k in ("epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema",
+                                     "step", "images_seen") if k in final}
     return {**summary, **selection_summary(result.selection)}
 
 

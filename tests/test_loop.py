@@ -372,20 +372,28 @@ def test_graph_safe_run_checkpoints_and_a_plain_run_continues_it(digits_dir, tmp
 
 
 def test_a_run_short_of_its_end_is_reported_as_diverged():
-    """The driver's reading of the final checkpoint: the last epoch or an early stop is a finished run;
-    anything short of both (or no checkpoint at all) is the loop's divergence stop."""
+    """The driver's reading of the final checkpoint: the last epoch (of ``epochs``, or of a time budget's
+    plan) or an early stop is a finished run; anything short of both (or no checkpoint at all) is the
+    loop's divergence stop."""
     from types import SimpleNamespace
 
     from pipeline.train.driver import TrainingDiverged, check_finished
 
+    def final(epoch, step, batch_in_epoch=0, stopped_epoch=None, planned_epochs=None):
+        return {"epoch": epoch, "step": step, "batch_in_epoch": batch_in_epoch, "planned_epochs": planned_epochs,
+                "selection": {"stopped_epoch": stopped_epoch}}
+
     spec = SimpleNamespace(stage="finetune", run_name="finetune-abc", loop=SimpleNamespace(epochs=5))
-    check_finished(spec, {"epoch": 5, "step": 50, "batch_in_epoch": 0, "selection": {"stopped_epoch": None}})
-    check_finished(spec, {"epoch": 3, "step": 30, "batch_in_epoch": 0, "selection": {"stopped_epoch": 3}})
+    check_finished(spec, final(5, 50))
+    check_finished(spec, final(3, 30, stopped_epoch=3))
+    check_finished(spec, final(3, 30, planned_epochs=3))
     with pytest.raises(TrainingDiverged, match=r"finetune run finetune-abc diverged after its last checkpoint "
                                                 r"\(step 20, epoch 2\).*lower finetune\.lr"):  # the end of epoch 2
-        check_finished(spec, {"epoch": 2, "step": 20, "batch_in_epoch": 0, "selection": {"stopped_epoch": None}})
+        check_finished(spec, final(2, 20))
     with pytest.raises(TrainingDiverged, match=r"\(step 23, epoch 3\)"):  # 3 steps into epoch 3
-        check_finished(spec, {"epoch": 2, "step": 23, "batch_in_epoch": 3, "selection": {"stopped_epoch": None}})
+        check_finished(spec, final(2, 23, batch_in_epoch=3))
+    with pytest.raises(TrainingDiverged, match=r"\(step 30, epoch 3\)"):  # short of its plan
+        check_finished(spec, final(3, 30, planned_epochs=4))
     with pytest.raises(TrainingDiverged, match="diverged before its first checkpoint"):
         check_finished(spec, None)
 

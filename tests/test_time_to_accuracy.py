@@ -99,7 +99,8 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
 def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     """The README's GPU command as written (``configs/cifar10-1gpu.yaml --cifar --cifar-tarball``) on a
     CIFAR-shaped tarball of a few images, made CPU-sized with --set: the shards follow the recipe's
-    data section, both stages train and the test split is scored."""
+    data section, both stages train (the pretrain within the recipe's time budget, which plans it
+    after epoch 2) and the test split is scored."""
     import tarfile
 
     from tests.data_helpers import make_imagefolder
@@ -111,7 +112,7 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
         tf.add(tmp_path / "c10" / "test", "test")
     cpu_sized = [f"--set={k}" for k in (
         "ray.use_gpu=false", "ray.loader_workers=0", "model.preset=nano", "model.depth=1", "model.num_heads=4",
-        "pretrain.epochs=1", "finetune.epochs=1", "pretrain.global_batch_size=16",
+        "pretrain.epochs=3", "finetune.epochs=1", "pretrain.global_batch_size=16",
         "finetune.global_batch_size=16", "pretrain.compile=false", "finetune.compile=false")]
     out, shards = tmp_path / "tta.json", tmp_path / "work" / "cifar10-shards"
     proc = run_as_on_gpu_box(SCRIPT, "--recipe", "configs/cifar10-1gpu.yaml", "--cifar", "--cifar-tarball",
@@ -122,7 +123,9 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     assert info["params"]["maxcount"] == 1000 and info["params"]["val_fraction"] == 0.02  # the recipe's data section
     report = json.loads(out.read_text())
     assert report["recipe"] == "configs/cifar10-1gpu.yaml" and report["test_images"] == 90
-    assert TRAINED.findall(proc.stdout) == ["[pretrain] epoch 1/1 ", "[finetune] epoch 1/1 "]
+    assert re.search(r"\[pretrain\] time budget 8 min: .* -> 3 epochs \(at most 3\)", proc.stdout), proc.stdout
+    assert TRAINED.findall(proc.stdout) == ["[pretrain] epoch 1/3 ", "[pretrain] epoch 2/3 ", "[pretrain] epoch 3/3 ",
+                                            "[finetune] epoch 1/1 "]
 
     # the README's feed-ratio command before it, on the same tarball: the same shards, its figures
     tp_shards = tmp_path / "tp-shards"

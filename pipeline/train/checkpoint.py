@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ class Progress:
     batch_in_epoch: int = 0   # batches done in the current (incomplete) epoch
     step: int = 0             # optimizer steps done
     history: list = field(default_factory=list)
+    epochs: Optional[int] = None  # the run's length once a time budget planned it (``.budget``)
 
 
 def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress: Progress, extra: dict) -> None:
@@ -65,7 +67,7 @@ def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress
     state = {name: obj.state_dict() for name, obj in objects.items() if obj is not None}
     state["model"] = unwrap(objects["model"]).state_dict()
     state.update(epoch=progress.epoch, batch_in_epoch=progress.batch_in_epoch, step=progress.step,
-                 history=progress.history, rng=rngs, **extra)
+                 history=progress.history, planned_epochs=progress.epochs, rng=rngs, **extra)
     tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=STAGING_SUFFIX, dir=ctx.staging_dir))
     try:
         torch.save(state, tmp / STATE_FILE)
@@ -90,4 +92,5 @@ def restore(objects: dict, *, ctx: TrainContext) -> Progress | None:
             obj.load_state_dict(state[name])
     rngs = state["rng"]
     set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0], ctx.device)
-    return Progress(state["epoch"], state["batch_in_epoch"], state["step"], state["history"])
+    return Progress(state["epoch"], state["batch_in_epoch"], state["step"], state["history"],
+                    state["planned_epochs"])

@@ -130,7 +130,7 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     loop, world = spec.loop, params.ray.world_size
     print(f"[{spec.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
           f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "
-          f"{loop.steps_per_epoch} steps/epoch x {loop.epochs} epochs, {loop.loader_workers} loader worker(s) "
+          f"{loop.steps_per_epoch} steps/epoch x {_length(loop)}, {loop.loader_workers} loader worker(s) "
           f"per rank{_graph_note(loop, params.ray)}, run {spec.run_name}", flush=True)
     if params.ray.backend == "local" and run_dir is None:
         raise ValueError(f"ray.backend: local writes checkpoints to a local ray.storage_path, "
@@ -158,6 +158,12 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
                        checkpoint_path=str(checkpoint), selection=selection)
 
 
+def _length(loop: LoopConfig) -> str:
+    if loop.time_budget_minutes is None:
+        return f"{loop.epochs} epochs"
+    return f"as many epochs as fit in {loop.time_budget_minutes:g} min (at most {loop.epochs})"
+
+
 class TrainingDiverged(ValueError):
     """The run's loss and weights stopped being finite: it stopped and the stage saves nothing (exit 1)."""
 
@@ -165,8 +171,10 @@ class TrainingDiverged(ValueError):
 def check_finished(spec: RunSpec, final: dict | None) -> None:
     """A run ends at its last epoch or by early stopping. Short of both (or with no checkpoint at all),
     its ranks stopped because it diverged; they printed the step and the loss."""
-    if final is not None and (final["epoch"] >= spec.loop.epochs or final["selection"]["stopped_epoch"] is not None):
-        return
+    if final is not None:
+        epochs = final["planned_epochs"] or spec.loop.epochs  # a time budget's plan, once made
+        if final["epoch"] >= epochs or final["selection"]["stopped_epoch"] is not None:
+            return
     s = spec.stage
     where = ("before its first checkpoint" if final is None else  # epochs count from 1, as the epoch lines do
              f"after its last checkpoint (step {final['step']}, "

@@ -42,6 +42,7 @@ class LoopConfig:
     ema_warmup: bool
     keep: str
     early_stop_patience: Optional[int]
+    time_budget_minutes: Optional[float]
     amp: str
     compile: bool
     compile_mode: str

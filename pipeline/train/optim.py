@@ -2,6 +2,7 @@
 optional layer-wise learning-rate decay (fine-tuning: early blocks move less than the head)."""
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -62,9 +63,18 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, min_lr:
         g["lr"] = lr * g["lr_scale"]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), fused=fused_ok(groups) or None)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, warmup_steps=warmup_steps, total_steps=total_steps,
-                                     base_lr=lr, min_lr=min_lr))
+        opt, functools.partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps,
+                               base_lr=lr, min_lr=min_lr))
     return opt, sched
+
+
+def set_total_steps(scheduler: torch.optim.lr_scheduler.LambdaLR, total_steps: int) -> None:
+    """Give :func:`build_optimizer`'s schedule another length (a time budget's plan), the learning
+    rate of the next step included."""
+    scheduler.lr_lambdas = [functools.partial(f.func, *f.args, **{**f.keywords, "total_steps": total_steps})
+                            for f in scheduler.lr_lambdas]
+    scheduler.last_epoch -= 1  # step() counts it again: the next step's rates, by the new length
+    scheduler.step()
 
 
 def accumulation(per_worker_batch: int, max_worker_batch: int | None) -> tuple[int, int]:

@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from pipeline.config import CUDAGRAPH_MODES
 from pipeline.data import make_eval_loader, make_train_loader
 from pipeline.model import ViTConfig, VisionTransformer
+from pipeline.train.budget import PLAN_AFTER_EPOCHS, planned_epochs
 from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
 from pipeline.train.context import TrainContext
 from pipeline.train.graphs import CapturedStep
 from pipeline.train.loop_config import LoopConfig, LoopRun
-from pipeline.train.optim import accumulation, build_optimizer
+from pipeline.train.optim import accumulation, build_optimizer, set_total_steps
 from pipeline.train.techniques import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
 from pipeline.train.selection import Selection
 
@@ -212,49 +213,86 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     stepper = Stepper(_model(cfg, run, ctx), cfg, ctx.device)
     selection = Selection(keep=cfg.keep, patience=cfg.early_stop_patience)
     objects = {**stepper.objects(), "selection": selection}
-    progress = restore(objects, ctx=ctx) or Progress()
-    finished = progress.epoch >= cfg.epochs or selection.stopped
-    if progress.step and ctx.rank == 0:
-        state = "run already finished, nothing to train" if finished else "resumed from checkpoint"
-        print(f"[{cfg.stage}] {state}: epoch {progress.epoch}, batch {progress.batch_in_epoch}, "
-              f"step {progress.step}", flush=True)
-    if finished:
+    progress = _resume(cfg, ctx, stepper, objects)
+    if progress is None:
         return
     extra = {"config": cfg.model, "train_config": dataclasses.asdict(cfg)}
     batches, val_loader = _loaders(cfg, ctx, progress)
-    pace = _Pace(progress.step, cfg.epochs * cfg.steps_per_epoch)
+    pace = _Pace(progress.step)
     clock = pace.start  # wall_time_s counts from here: every epoch, evaluation and checkpoint but the last
 
     def checkpoint(metrics: dict) -> None:
         save_and_report(metrics, ctx=ctx, objects=objects, progress=progress, extra=extra)
 
     with _run_logger(run, ctx) as logger:
-        for epoch in range(progress.epoch, cfg.epochs):
-            t0 = time.time()
-            totals = _train_epoch(cfg, ctx, stepper, batches, progress, epoch, logger, hooks, checkpoint, pace)
+        while progress.epoch < _epochs(cfg, progress):
+            if cfg.time_budget_minutes and progress.epoch == PLAN_AFTER_EPOCHS and progress.epochs is None:
+                _plan(cfg, ctx, stepper, progress, logger)
+            epoch, t0 = progress.epoch, time.time()
+            totals = _train_epoch(cfg, ctx, stepper, batches, progress, logger, hooks, checkpoint, pace)
             if totals is None:  # diverged, on every rank alike: the driver finds the run short of its end
                 return
             metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0, ctx.world_size)
-            if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
+            last = epoch + 1 == _epochs(cfg, progress)
+            if (epoch + 1) % cfg.eval_every == 0 or last:
                 metrics.update(_evaluate(cfg, ctx, stepper, val_loader))
             now = time.time()
             selection.wall_time_s, clock = selection.wall_time_s + now - clock, now
             metrics.update(wall_time_s=selection.wall_time_s,
                            images_seen=progress.step * cfg.per_worker_batch * ctx.world_size)
             if "val_top1" in metrics:
-                _select(selection, metrics, stepper, keep_weights=ctx.rank == 0, last=epoch + 1 == cfg.epochs)
+                _select(selection, metrics, stepper, keep_weights=ctx.rank == 0, last=last)
             progress.history.append(metrics)
             progress.epoch, progress.batch_in_epoch = epoch + 1, 0
             if ctx.rank == 0:
-                _print_epoch(cfg, metrics, eta=pace.line(progress.step))
+                eta = pace.line(progress.step, _steps(cfg, progress))
+                _print_epoch(cfg, metrics, _epochs(cfg, progress), eta=eta)
                 _log_epoch(logger, metrics, progress.step)
-            if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or epoch + 1 == cfg.epochs or selection.stopped:
+            if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or last or selection.stopped:
                 checkpoint(metrics)
             if selection.stopped:
                 if ctx.rank == 0:
                     print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
                           f"{selection.best:.4f} for {cfg.early_stop_patience} evaluation(s)", flush=True)
                 break
+
+
+def _resume(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, objects: dict) -> Progress | None:
+    """Where the run stands: restored from its latest checkpoint (a time budget's plan included), or
+    a fresh start; None when it has nothing left to train."""
+    progress = restore(objects, ctx=ctx) or Progress()
+    if progress.epochs:
+        set_total_steps(stepper.scheduler, _steps(cfg, progress))
+    finished = progress.epoch >= _epochs(cfg, progress) or objects["selection"].stopped
+    if progress.step and ctx.rank == 0:
+        state = "run already finished, nothing to train" if finished else "resumed from checkpoint"
+        print(f"[{cfg.stage}] {state}: epoch {progress.epoch}, batch {progress.batch_in_epoch}, "
+              f"step {progress.step}", flush=True)
+    return None if finished else progress
+
+
+def _epochs(cfg: LoopConfig, progress: Progress) -> int:
+    """The run's length: ``epochs``, or what a time budget planned."""
+    return progress.epochs or cfg.epochs
+
+
+def _steps(cfg: LoopConfig, progress: Progress) -> int:
+    return _epochs(cfg, progress) * cfg.steps_per_epoch
+
+
+def _plan(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, progress: Progress, logger) -> None:
+    """Fix the run's length from its time budget (:mod:`.budget`), by the pace of the last epoch
+    (its evaluation and checkpoint included); the mean over ranks, so every rank plans alike."""
+    spent = progress.history[-1]["wall_time_s"]
+    spent, epoch_s = (v / ctx.world_size for v in _all_reduce([spent, spent - progress.history[-2]["wall_time_s"]],
+                                                              ctx.device))
+    progress.epochs = planned_epochs(cfg.time_budget_minutes * 60, spent, epoch_s, progress.epoch, cfg.epochs)
+    set_total_steps(stepper.scheduler, _steps(cfg, progress))
+    if ctx.rank == 0:
+        print(f"[{cfg.stage}] time budget {cfg.time_budget_minutes:g} min: {spent:.1f} s spent, "
+              f"{epoch_s:.1f} s per epoch -> {progress.epochs} epochs (at most {cfg.epochs})", flush=True)
+    if logger:
+        logger.log_metrics({"planned_epochs": progress.epochs}, step=progress.step)
 
 
 def _model(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> torch.nn.Module:
@@ -295,14 +333,14 @@ class _Pace:
     """Rank 0's console clock: the run's ETA from its pace since this launch began, and whether a line
     within the epoch is due (none for ``PROGRESS_EVERY_S`` since the last line)."""
 
-    def __init__(self, step: int, total_steps: int):
+    def __init__(self, step: int):
         self.start = self.printed = time.time()
-        self.start_step, self.total_steps = step, total_steps
+        self.start_step = step
 
-    def line(self, step: int) -> float:
-        """A line is printed now, after ``step`` steps: the ETA it shows."""
+    def line(self, step: int, total_steps: int) -> float:
+        """A line is printed now, after ``step`` of the run's ``total_steps``: the ETA it shows."""
         self.printed = time.time()
-        return (self.printed - self.start) / max(1, step - self.start_step) * (self.total_steps - step)
+        return (self.printed - self.start) / max(1, step - self.start_step) * (total_steps - step)
 
     def due(self) -> bool:
         return time.time() - self.printed >= PROGRESS_EVERY_S
@@ -327,14 +365,14 @@ class _Waited:
             self.seconds += time.perf_counter() - start
 
 
-def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress, epoch: int,
+def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress,
                  logger, hooks: list[StepHook], checkpoint, pace: _Pace) -> list | None:
-    """The rest of ``epoch``'s steps; returns [loss sum, correct, samples, seconds waited for input] summed
+    """The rest of the current epoch's steps; returns [loss sum, correct, samples, seconds waited for input] summed
     over all ranks, or None when the training diverged (checked wherever the global loss is on the host,
     and before a checkpoint). In a long epoch rank 0 prints a line at a logged step when one is due."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
-    seen, start = 0, time.time()
+    seen, start, epoch = 0, time.time(), progress.epoch
     stepper.model.train()
     steps = _Waited(islice(batches, cfg.steps_per_epoch - progress.batch_in_epoch))
     for b, (images, labels) in enumerate(steps, start=progress.batch_in_epoch):
@@ -354,8 +392,8 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
             return None
         if logged is not None and ctx.rank == 0 and pace.due():
             elapsed = time.time() - start
-            _print_within(cfg, epoch, b + 1, logged, seen * ctx.world_size / elapsed, steps.seconds / elapsed,
-                          eta=pace.line(progress.step))
+            _print_within(cfg, progress, logged, seen * ctx.world_size / elapsed, steps.seconds / elapsed,
+                          eta=pace.line(progress.step, _steps(cfg, progress)))
         if save:
             checkpoint({"step": progress.step, "epoch": epoch})
     totals = _all_reduce([loss_sum, correct, seen, steps.seconds], ctx.device)
@@ -405,16 +443,17 @@ def _log_step(cfg: LoopConfig, ctx: TrainContext, logger, step: int, loss_sum: t
     return global_loss
 
 
-def _print_within(cfg: LoopConfig, epoch: int, batch: int, loss: float, images_per_s: float, wait_share: float,
+def _print_within(cfg: LoopConfig, progress: Progress, loss: float, images_per_s: float, wait_share: float,
                   eta: float) -> None:
-    print(f"[{cfg.stage}] epoch {epoch + 1}/{cfg.epochs} step {batch}/{cfg.steps_per_epoch} loss {loss:.4f} | "
+    print(f"[{cfg.stage}] epoch {progress.epoch + 1}/{_epochs(cfg, progress)} "
+          f"step {progress.batch_in_epoch}/{cfg.steps_per_epoch} loss {loss:.4f} | "
           f"{images_per_s:.0f} img/s | input wait {wait_share:.0%} | ETA {_fmt_time(eta)}", flush=True)
 
 
-def _print_epoch(cfg: LoopConfig, metrics: dict, eta: float) -> None:
+def _print_epoch(cfg: LoopConfig, metrics: dict, epochs: int, eta: float) -> None:
     val = "".join(f" {k} {metrics[k]:.4f}" for k in ("val_loss", "val_top1", "val_top1_ema") if k in metrics)
     wait = metrics["input_wait_s"] / max(metrics["epoch_time_s"], 1e-9)
-    print(f"[{cfg.stage}] epoch {metrics['epoch']}/{cfg.epochs} step {metrics['step']} "
+    print(f"[{cfg.stage}] epoch {metrics['epoch']}/{epochs} step {metrics['step']} "
           f"loss {metrics['train_loss']:.4f} top1 {metrics['train_top1']:.4f}{val} | "
           f"{metrics['images_per_s']:.0f} img/s | input wait {wait:.0%} | "
           f"{metrics['epoch_time_s']:.1f}s/epoch | ETA {_fmt_time(eta)}",

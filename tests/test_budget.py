@@ -1,0 +1,55 @@
+"""A time budget's plan: its arithmetic, and the schedule it gives (the real runs: tests/test_training.py)."""
+import torch
+
+from pipeline.train.budget import planned_epochs
+from pipeline.train.optim import build_optimizer, set_total_steps
+
+
+def test_planned_epochs_fill_the_rest_of_the_budget_within_bounds():
+    # 100 s spent of 400 after 2 epochs, 30 s an epoch: 10 more fit (300 s), not 11
+    assert planned_epochs(400, 100, 30, done=2, most=50) == 12
+    assert planned_epochs(400, 100, 30, done=2, most=9) == 9       # never more than `epochs`
+    assert planned_epochs(60, 100, 30, done=2, most=50) == 3       # over budget already: one more, which ends
+    assert planned_epochs(130, 100, 30, done=2, most=50) == 3      # the run evaluated and checkpointed
+    assert planned_epochs(129.9, 100, 30, done=2, most=50) == 3
+
+
+def _schedule(total_steps: int):
+    model = torch.nn.Linear(3, 2)
+    return build_optimizer(model, lr=1e-3, weight_decay=0.05, min_lr=1e-5, warmup_steps=20, total_steps=total_steps)
+
+
+def _rates(optimizer, scheduler, steps: int) -> list[float]:
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def test_a_schedule_given_its_length_in_warm_up_is_the_schedule_of_that_length():
+    """Planned at the end of the warm-up (the first rate it sets is the cosine's), and again after a
+    checkpoint of the planned schedule is loaded into one built with the stage's ``epochs``."""
+    opt, sched = _schedule(total_steps=60)
+    early = _rates(opt, sched, 20)
+    set_total_steps(sched, 30)
+    planned = early + _rates(opt, sched, 5)
+    ref_opt, ref_sched = _schedule(total_steps=30)
+    assert planned == _rates(ref_opt, ref_sched, 25)
+    assert planned[20] > planned[24] > 0  # the cosine of 30 steps, which falls faster than that of 60
+    new_opt, new_sched = _schedule(total_steps=60)
+    new_opt.load_state_dict(opt.state_dict())
+    new_sched.load_state_dict(sched.state_dict())
+    set_total_steps(new_sched, 30)
+    assert _rates(new_opt, new_sched, 5) == _rates(ref_opt, ref_sched, 5) == _rates(opt, sched, 5)
+
+
+def test_a_new_length_applies_from_the_next_step():
+    """Past the warm-up (where the loop never plans) too: the rate already set for the next step is redone."""
+    opt, sched = _schedule(total_steps=60)
+    _rates(opt, sched, 25)
+    set_total_steps(sched, 30)
+    ref_opt, ref_sched = _schedule(total_steps=30)
+    assert _rates(opt, sched, 5) == _rates(ref_opt, ref_sched, 30)[25:]
+    assert sched.get_last_lr() == ref_sched.get_last_lr()
