@@ -123,7 +123,7 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     assert info["params"]["maxcount"] == 1000 and info["params"]["val_fraction"] == 0.02  # the recipe's data section
     report = json.loads(out.read_text())
     assert report["recipe"] == "configs/cifar10-1gpu.yaml" and report["test_images"] == 90
-    assert re.search(r"\[pretrain\] time budget 8 min: .* -> 3 epochs \(at most 3\)", proc.stdout), proc.stdout
+    assert re.search(r"\[pretrain\] time budget 7.5 min: .* -> 3 epochs \(at most 3\)", proc.stdout), proc.stdout
     assert TRAINED.findall(proc.stdout) == ["[pretrain] epoch 1/3 ", "[pretrain] epoch 2/3 ", "[pretrain] epoch 3/3 ",
                                             "[finetune] epoch 1/1 "]
 

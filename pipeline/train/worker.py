@@ -189,8 +189,8 @@ def _loaders(cfg: LoopConfig, ctx: TrainContext, progress: Progress):
     common = dict(image_size=cfg.image_size, rank=ctx.rank, world_size=ctx.world_size, augment=cfg.augment,
                   num_workers=cfg.loader_workers, device=ctx.device)
     train = make_train_loader(cfg.shard_dir, batch_size=cfg.per_worker_batch, steps_per_epoch=cfg.steps_per_epoch,
-                              epoch=progress.epoch, last_epoch=cfg.epochs - 1, start_batch=progress.batch_in_epoch,
-                              seed=cfg.seed, **common)
+                              epoch=progress.epoch, last_epoch=_epochs(cfg, progress) - 1,  # a plan's, once made
+                              start_batch=progress.batch_in_epoch, seed=cfg.seed, **common)
     val = make_eval_loader(cfg.shard_dir, "val", batch_size=cfg.per_worker_batch, **common)
     return iter(train), val
 
@@ -283,9 +283,8 @@ def _steps(cfg: LoopConfig, progress: Progress) -> int:
 def _plan(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, progress: Progress, logger) -> None:
     """Fix the run's length from its time budget (:mod:`.budget`), by the pace of the last epoch
     (its evaluation and checkpoint included); the mean over ranks, so every rank plans alike."""
-    spent = progress.history[-1]["wall_time_s"]
-    spent, epoch_s = (v / ctx.world_size for v in _all_reduce([spent, spent - progress.history[-2]["wall_time_s"]],
-                                                              ctx.device))
+    now, before = progress.history[-1]["wall_time_s"], progress.history[-2]["wall_time_s"]
+    spent, epoch_s = (v / ctx.world_size for v in _all_reduce([now, now - before], ctx.device))
     progress.epochs = planned_epochs(cfg.time_budget_minutes * 60, spent, epoch_s, progress.epoch, cfg.epochs)
     set_total_steps(stepper.scheduler, _steps(cfg, progress))
     if ctx.rank == 0:
