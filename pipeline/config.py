@@ -394,8 +394,8 @@ def _check_time_budget(stage: str, t: TrainConfig) -> None:
     _positive(f"{stage}.time_budget_minutes", t.time_budget_minutes)
     if t.warmup_epochs < PLAN_AFTER_EPOCHS:
         raise ConfigError(f"{stage}.time_budget_minutes needs {stage}.warmup_epochs >= {PLAN_AFTER_EPOCHS}, "
-                          f"got {t.warmup_epochs!r}: the run's length is fixed after epoch {PLAN_AFTER_EPOCHS}, "
-                          f"and only a warm-up's learning rates do not depend on it")
+                          f"got {t.warmup_epochs!r}: the run's length is fixed at the end of the warm-up, by "
+                          f"the pace of its epochs after the first")
 
 
 def _check_cuda_graph(stage: str, t: TrainConfig, ranks: int) -> None:

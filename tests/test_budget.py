@@ -1,7 +1,7 @@
 """A time budget's plan: its arithmetic, and the schedule it gives (the real runs: tests/test_training.py)."""
 import torch
 
-from pipeline.train.budget import planned_epochs
+from pipeline.train.budget import plan_epoch, planned_epochs
 from pipeline.train.optim import build_optimizer, set_total_steps
 
 
@@ -12,6 +12,12 @@ def test_planned_epochs_fill_the_rest_of_the_budget_within_bounds():
     assert planned_epochs(60, 100, 30, done=2, most=50) == 3       # over budget already: one more, which ends
     assert planned_epochs(130, 100, 30, done=2, most=50) == 3      # the run evaluated and checkpointed
     assert planned_epochs(129.9, 100, 30, done=2, most=50) == 3
+
+
+def test_the_length_is_fixed_at_the_end_of_the_warm_up():
+    assert plan_epoch(warmup_steps=100, steps_per_epoch=20) == 5
+    assert plan_epoch(warmup_steps=99, steps_per_epoch=20) == 4   # within the warm-up, never past it
+    assert plan_epoch(warmup_steps=40, steps_per_epoch=20) == 2   # its last step: the cosine's first rate is 1
 
 
 def _schedule(total_steps: int):

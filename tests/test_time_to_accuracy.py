@@ -99,8 +99,8 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
 def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     """The README's GPU command as written (``configs/cifar10-1gpu.yaml --cifar --cifar-tarball``) on a
     CIFAR-shaped tarball of a few images, made CPU-sized with --set: the shards follow the recipe's
-    data section, both stages train (the pretrain within the recipe's time budget, which plans it
-    after epoch 2) and the test split is scored."""
+    data section, both stages train (the pretrain within the recipe's time budget, planned at the end
+    of a warm-up shortened to 2 epochs) and the test split is scored."""
     import tarfile
 
     from tests.data_helpers import make_imagefolder
@@ -112,7 +112,7 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
         tf.add(tmp_path / "c10" / "test", "test")
     cpu_sized = [f"--set={k}" for k in (
         "ray.use_gpu=false", "ray.loader_workers=0", "model.preset=nano", "model.depth=1", "model.num_heads=4",
-        "pretrain.epochs=3", "finetune.epochs=1", "pretrain.global_batch_size=16",
+        "pretrain.epochs=3", "pretrain.warmup_epochs=2", "finetune.epochs=1", "pretrain.global_batch_size=16",
         "finetune.global_batch_size=16", "pretrain.compile=false", "finetune.compile=false")]
     out, shards = tmp_path / "tta.json", tmp_path / "work" / "cifar10-shards"
     proc = run_as_on_gpu_box(SCRIPT, "--recipe", "configs/cifar10-1gpu.yaml", "--cifar", "--cifar-tarball",

@@ -405,33 +405,33 @@ def test_a_diverging_run_stops_on_every_rank_and_saves_nothing(tmp_path):
 
 
 def test_a_time_budget_run_is_the_run_of_the_epochs_it_planned(tmp_path, monkeypatch):
-    """A budget spent before two epochs end: after epoch 2 both Ray ranks plan 3 epochs (one more, at
-    most 6), it is printed, logged and in metrics/pretrain.json; a failure in epoch 3 resumes with the
-    plan; and the run is the one ``epochs: 3`` without a budget trains, rate by rate, loss by loss."""
+    """A budget spent before the 3-epoch warm-up ends: after it both Ray ranks plan 4 epochs (one more,
+    at most 7), it is printed, logged and in metrics/pretrain.json; a failure in epoch 4 resumes with the
+    plan; and the run is the one ``epochs: 4`` without a budget trains, epoch by epoch."""
     import re
 
     def edit(raw):
         raw = short_run(raw)
-        raw["pretrain"].update(epochs=6, warmup_epochs=2, time_budget_minutes=0.001)
+        raw["pretrain"].update(epochs=7, warmup_epochs=3, time_budget_minutes=0.001)
         return raw
 
     repo = make_repo(tmp_path / "repo", edit=edit)
     assert run(["python", "-m", "stages.shard", "pretrain"], repo).returncode == 0
-    inject_fault(monkeypatch, f"raise@{2 * STEPS_PER_EPOCH + 7}:{tmp_path / 'failed'}")
+    inject_fault(monkeypatch, f"raise@{3 * STEPS_PER_EPOCH + 8}:{tmp_path / 'failed'}")
     first = run(["python", "-m", "stages.pretrain"], repo)
     assert first.returncode != 0 and (tmp_path / "failed").exists(), first.stdout[-2000:]
-    assert re.search(r"\[pretrain\] time budget 0.001 min: [\d.]+ s spent, [\d.]+ s per epoch -> 3 epochs "
-                     r"\(at most 6\)", first.stdout), first.stdout[-2000:]
+    assert re.search(r"\[pretrain\] time budget 0.001 min: [\d.]+ s spent, [\d.]+ s per epoch -> 4 epochs "
+                     r"\(at most 7\)", first.stdout), first.stdout[-2000:]
     proc = run(["python", "-m", "stages.pretrain"], repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resumed from checkpoint: epoch 2, batch 7, step {2 * STEPS_PER_EPOCH + 7}" in proc.stdout
+    assert f"resumed from checkpoint: epoch 3, batch 8, step {3 * STEPS_PER_EPOCH + 8}" in proc.stdout
     assert "time budget" not in proc.stdout  # planned once
     budget_rows, summary = final_state(repo)
-    assert len(budget_rows) == summary["epoch"] == 3
+    assert len(budget_rows) == summary["epoch"] == 4
     _, (r,) = pretrain_runs(repo)
-    assert r.data.metrics["planned_epochs"] == 3
+    assert r.data.metrics["planned_epochs"] == 4
 
-    set_params(repo, **{"pretrain.epochs": 3, "pretrain.time_budget_minutes": None})
+    set_params(repo, **{"pretrain.epochs": 4, "pretrain.time_budget_minutes": None})
     proc = run(["python", "-m", "stages.pretrain"], repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, _ = final_state(repo)

@@ -2,17 +2,22 @@
 
 Comparing recipes at equal wall-clock time, or proving one within a time limit, needs a run whose
 length comes from the clock, yet a cosine schedule must know its length. The loop therefore fixes
-it once, after :data:`PLAN_AFTER_EPOCHS` epochs: the first holds the compiles and warm-ups, the
-second shows the steady pace, its evaluation and checkpoint included. The config requires the
-warm-up to last that long, and warm-up learning rates do not depend on the length, so the run
-is exactly the run launched with ``epochs`` set to the planned count: repeating it on other
-hardware means setting that (logged as ``planned_epochs``) and dropping the budget.
+it once, at the end of the learning-rate warm-up (:func:`plan_epoch`), whose rates do not depend on
+the length, by the pace of the epochs after the first (which holds the compiles and first calls),
+their evaluations and checkpoints included. So the run is exactly the run launched with ``epochs``
+set to the planned count: repeating it on other hardware means setting that (logged as
+``planned_epochs``) and dropping the budget.
 """
 from __future__ import annotations
 
 import math
 
-PLAN_AFTER_EPOCHS = 2
+PLAN_AFTER_EPOCHS = 2  # at least: one epoch to warm up, one to show the pace (so warmup_epochs >= 2)
+
+
+def plan_epoch(warmup_steps: int, steps_per_epoch: int) -> int:
+    """The epochs after which the length is fixed: the warm-up's whole epochs."""
+    return max(PLAN_AFTER_EPOCHS, warmup_steps // steps_per_epoch)
 
 
 def planned_epochs(budget_s: float, spent_s: float, epoch_s: float, done: int, most: int) -> int:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from pipeline.config import CUDAGRAPH_MODES
 from pipeline.data import make_eval_loader, make_train_loader
 from pipeline.model import ViTConfig, VisionTransformer
-from pipeline.train.budget import PLAN_AFTER_EPOCHS, planned_epochs
+from pipeline.train.budget import plan_epoch, planned_epochs
 from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
 from pipeline.train.context import TrainContext
 from pipeline.train.graphs import CapturedStep
@@ -226,7 +226,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
 
     with _run_logger(run, ctx) as logger:
         while progress.epoch < _epochs(cfg, progress):
-            if cfg.time_budget_minutes and progress.epoch == PLAN_AFTER_EPOCHS and progress.epochs is None:
+            if cfg.time_budget_minutes and progress.epochs is None and \
+                    progress.epoch == plan_epoch(cfg.warmup_steps, cfg.steps_per_epoch):
                 _plan(cfg, ctx, stepper, progress, logger)
             epoch, t0 = progress.epoch, time.time()
             totals = _train_epoch(cfg, ctx, stepper, batches, progress, logger, hooks, checkpoint, pace)
@@ -281,10 +282,11 @@ def _steps(cfg: LoopConfig, progress: Progress) -> int:
 
 
 def _plan(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, progress: Progress, logger) -> None:
-    """Fix the run's length from its time budget (:mod:`.budget`), by the pace of the last epoch
-    (its evaluation and checkpoint included); the mean over ranks, so every rank plans alike."""
-    now, before = progress.history[-1]["wall_time_s"], progress.history[-2]["wall_time_s"]
-    spent, epoch_s = (v / ctx.world_size for v in _all_reduce([now, now - before], ctx.device))
+    """Fix the run's length from its time budget (:mod:`.budget`), by the pace of the epochs after the
+    first, evaluations and checkpoints included; the mean over ranks, so every rank plans alike."""
+    walls = [h["wall_time_s"] for h in progress.history]
+    spent, first = (v / ctx.world_size for v in _all_reduce([walls[-1], walls[0]], ctx.device))
+    epoch_s = (spent - first) / (len(walls) - 1)
     progress.epochs = planned_epochs(cfg.time_budget_minutes * 60, spent, epoch_s, progress.epoch, cfg.epochs)
     set_total_steps(stepper.scheduler, _steps(cfg, progress))
     if ctx.rank == 0:
