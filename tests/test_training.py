@@ -88,14 +88,19 @@ def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, t
 
     # 4. Reproducible to the byte: the same params trained again from scratch, with no failure, give
     #    exactly the weights of the run that lost a worker mid-epoch and resumed (data order,
-    #    augmentation and every rank's RNG state come back with the checkpoint).
+    #    augmentation and every rank's RNG state come back with the checkpoint), and the same epoch
+    #    metrics (the checkpoint holds the epoch's sums so far; summed in another order: to 1e-12)
     recovered = (repo / "models/pretrain/model.safetensors").read_bytes()
+    recovered_rows, _ = final_state(repo)
     shutil.rmtree(repo / ".ray_results" / new.data.tags["ray.run_name"])
     proc = run(["python", "-m", "stages.pretrain"], repo)  # fault-b's marker exists: no failure now
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()  # rank 0's lines as it printed them: no "(RayTrainWorker pid=…)"
     assert "resumed" not in proc.stdout and any(line.startswith("[pretrain] epoch 2/2 ") for line in lines)
     assert (repo / "models/pretrain/model.safetensors").read_bytes() == recovered
+    rows, _ = final_state(repo)
+    for key in ("train_loss", "train_top1", "val_loss"):
+        assert [float(r[key]) for r in rows] == pytest.approx([float(r[key]) for r in recovered_rows], rel=1e-12)
 
 
 def _plant_checkpoints(repo) -> Path:
@@ -435,5 +440,5 @@ def test_a_time_budget_run_is_the_run_of_the_epochs_it_planned(tmp_path, monkeyp
     proc = run(["python", "-m", "stages.pretrain"], repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, _ = final_state(repo)
-    for key in ("lr", "val_loss", "val_top1"):
+    for key in ("lr", "train_loss", "train_top1", "val_loss", "val_top1"):
         assert [float(r[key]) for r in rows] == pytest.approx([float(r[key]) for r in budget_rows], rel=1e-6), key

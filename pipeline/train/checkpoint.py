@@ -2,7 +2,8 @@
 
 A checkpoint holds everything needed to continue bit-for-bit where the run stopped: weights
 (without DDP's ``module.`` prefix), optimizer, scheduler, grad scaler, EMA, position in the run
-(epoch, batch within the epoch, optimizer step), per-rank RNG states, history and configs.
+(epoch, batch within the epoch, optimizer step, the epoch's sums so far, a time budget's plan),
+per-rank RNG states, history and configs.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class Progress:
     step: int = 0             # optimizer steps done
     history: list = field(default_factory=list)
     epochs: Optional[int] = None  # the run's length once a time budget planned it (``.budget``)
+    epoch_sums: Optional[list] = None  # the current epoch's loss sum, correct, samples so far (all ranks)
 
 
 def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress: Progress, extra: dict) -> None:
@@ -67,7 +69,8 @@ def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress
     state = {name: obj.state_dict() for name, obj in objects.items() if obj is not None}
     state["model"] = unwrap(objects["model"]).state_dict()
     state.update(epoch=progress.epoch, batch_in_epoch=progress.batch_in_epoch, step=progress.step,
-                 history=progress.history, planned_epochs=progress.epochs, rng=rngs, **extra)
+                 history=progress.history, planned_epochs=progress.epochs, epoch_sums=progress.epoch_sums,
+                 rng=rngs, **extra)
     tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=STAGING_SUFFIX, dir=ctx.staging_dir))
     try:
         torch.save(state, tmp / STATE_FILE)
@@ -93,4 +96,4 @@ def restore(objects: dict, *, ctx: TrainContext) -> Progress | None:
     rngs = state["rng"]
     set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0], ctx.device)
     return Progress(state["epoch"], state["batch_in_epoch"], state["step"], state["history"],
-                    state["planned_epochs"])
+                    state["planned_epochs"], state["epoch_sums"])

@@ -244,7 +244,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
             if "val_top1" in metrics:
                 _select(selection, metrics, stepper, keep_weights=ctx.rank == 0, last=last)
             progress.history.append(metrics)
-            progress.epoch, progress.batch_in_epoch = epoch + 1, 0
+            progress.epoch, progress.batch_in_epoch, progress.epoch_sums = epoch + 1, 0, None
             if ctx.rank == 0:
                 eta = pace.line(progress.step, _steps(cfg, progress))
                 _print_epoch(cfg, metrics, _epochs(cfg, progress), eta=eta)
@@ -368,11 +368,14 @@ class _Waited:
 
 def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress,
                  logger, hooks: list[StepHook], checkpoint, pace: _Pace) -> list | None:
-    """The rest of the current epoch's steps; returns [loss sum, correct, samples, seconds waited for input] summed
-    over all ranks, or None when the training diverged (checked wherever the global loss is on the host,
-    and before a checkpoint). In a long epoch rank 0 prints a line at a logged step when one is due."""
-    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
+    """The rest of the current epoch's steps; returns [loss sum, correct, samples, seconds waited for input,
+    samples this launch] summed over all ranks (an epoch resumed mid-way counts its steps before the
+    checkpoint, ``progress.epoch_sums``, in the first three), or None when the training diverged (checked
+    wherever the global loss is on the host, and before a checkpoint). In a long epoch rank 0 prints a
+    line at a logged step when one is due."""
+    before = progress.epoch_sums if progress.epoch_sums and ctx.rank == 0 else [0.0, 0, 0]
+    loss_sum = torch.tensor(before[0], dtype=torch.float64, device=ctx.device)
+    correct = torch.tensor(before[1], dtype=torch.int64, device=ctx.device)
     seen, start, epoch = 0, time.time(), progress.epoch
     stepper.model.train()
     steps = _Waited(islice(batches, cfg.steps_per_epoch - progress.batch_in_epoch))
@@ -387,8 +390,9 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
         logged = global_loss = _log_step(cfg, ctx, logger, progress.step, step_loss, labels.numel(), stepper)
         every = cfg.checkpoint_every_steps
         save = every and progress.step % every == 0 and progress.batch_in_epoch < cfg.steps_per_epoch
-        if save and global_loss is None:
-            global_loss = _all_reduce([step_loss], ctx.device)[0]
+        if save:  # the epoch's sums so far go into the checkpoint
+            step_sum, *progress.epoch_sums = _all_reduce([step_loss, loss_sum, correct, before[2] + seen], ctx.device)
+            global_loss = step_sum if global_loss is None else global_loss
         if global_loss is not None and _diverged(cfg, ctx, stepper, global_loss, progress.step, epoch):
             return None
         if logged is not None and ctx.rank == 0 and pace.due():
@@ -397,7 +401,7 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
                           eta=pace.line(progress.step, _steps(cfg, progress)))
         if save:
             checkpoint({"step": progress.step, "epoch": epoch})
-    totals = _all_reduce([loss_sum, correct, seen, steps.seconds], ctx.device)
+    totals = _all_reduce([loss_sum, correct, before[2] + seen, steps.seconds, seen], ctx.device)
     return None if _diverged(cfg, ctx, stepper, totals[0], progress.step, epoch) else totals
 
 
@@ -414,10 +418,10 @@ def _diverged(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, loss: float,
 
 
 def _epoch_metrics(stepper: Stepper, totals: list, epoch: int, step: int, elapsed: float, ranks: int) -> dict:
-    loss_sum, correct, seen, waited = totals
+    loss_sum, correct, seen, waited, timed = totals
     return {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(seen, 1),
             "train_top1": correct / max(seen, 1), "lr": stepper.lr(),
-            "images_per_s": seen / max(elapsed, 1e-9), "epoch_time_s": elapsed, "input_wait_s": waited / ranks}
+            "images_per_s": timed / max(elapsed, 1e-9), "epoch_time_s": elapsed, "input_wait_s": waited / ranks}
 
 
 def _evaluate(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, val_loader) -> dict:
