@@ -1,4 +1,5 @@
 """A time budget's plan: its arithmetic, and the schedule it gives (the real runs: tests/test_training.py)."""
+import pytest
 import torch
 
 from pipeline.train.budget import plan_epoch, planned_epochs
@@ -59,3 +60,22 @@ def test_a_new_length_applies_from_the_next_step():
     ref_opt, ref_sched = _schedule(total_steps=30)
     assert _rates(opt, sched, 5) == _rates(ref_opt, ref_sched, 30)[25:]
     assert sched.get_last_lr() == ref_sched.get_last_lr()
+
+
+def test_a_captured_step_reads_the_planned_rates():
+    """With ``cuda_graph: true`` the rates are device tensors a captured graph reads: the plan must
+    fill those tensors, not put new values in their place (the graph would keep the old rates)."""
+    from pipeline.train.graphs import graph_safe
+
+    opt, sched = _schedule(total_steps=60)
+    graph_safe(opt, torch.device("cpu"))
+    _rates(opt, sched, 25)
+    captured = [group["lr"] for group in opt.param_groups]
+    before = [float(t) for t in captured]
+    set_total_steps(sched, 30)
+    ref_opt, ref_sched = _schedule(total_steps=30)
+    _rates(ref_opt, ref_sched, 25)
+    planned = [g["lr"] for g in ref_opt.param_groups]
+    assert all(group["lr"] is t for group, t in zip(opt.param_groups, captured))  # the same tensors,
+    assert [float(t) for t in captured] == pytest.approx(planned, rel=1e-6)  # refilled with the plan's rates
+    assert planned != pytest.approx(before, rel=1e-6)
