@@ -226,9 +226,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
 
     with _run_logger(run, ctx) as logger:
         while progress.epoch < _epochs(cfg, progress):
-            if cfg.time_budget_minutes and progress.epochs is None and \
-                    progress.epoch == plan_epoch(cfg.warmup_steps, cfg.steps_per_epoch):
-                _plan(cfg, ctx, stepper, progress, logger)
+            _plan(cfg, ctx, stepper, progress, logger)
             epoch, t0 = progress.epoch, time.time()
             totals = _train_epoch(cfg, ctx, stepper, batches, progress, logger, hooks, checkpoint, pace)
             if totals is None:  # diverged, on every rank alike: the driver finds the run short of its end
@@ -282,8 +280,12 @@ def _steps(cfg: LoopConfig, progress: Progress) -> int:
 
 
 def _plan(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, progress: Progress, logger) -> None:
-    """Fix the run's length from its time budget (:mod:`.budget`), by the pace of the epochs after the
-    first, evaluations and checkpoints included; the mean over ranks, so every rank plans alike."""
+    """With a time budget, once, at the end of the warm-up: fix the run's length (:mod:`.budget`) by the
+    pace of the epochs after the first, evaluations and checkpoints included; the mean over ranks, so
+    every rank plans alike."""
+    due = progress.epoch == plan_epoch(cfg.warmup_steps, cfg.steps_per_epoch)
+    if not cfg.time_budget_minutes or progress.epochs is not None or not due:
+        return
     walls = [h["wall_time_s"] for h in progress.history]
     spent, first = (v / ctx.world_size for v in _all_reduce([walls[-1], walls[0]], ctx.device))
     epoch_s = (spent - first) / (len(walls) - 1)
