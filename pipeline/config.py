@@ -396,6 +396,10 @@ def _check_time_budget(stage: str, t: TrainConfig) -> None:
         raise ConfigError(f"{stage}.time_budget_minutes needs {stage}.warmup_epochs >= {PLAN_AFTER_EPOCHS}, "
                           f"got {t.warmup_epochs!r}: the run's length is fixed at the end of the warm-up, by "
                           f"the pace of its epochs after the first")
+    if t.epochs <= int(t.warmup_epochs):
+        raise ConfigError(f"{stage}.time_budget_minutes: the run's length is fixed at the end of the warm-up "
+                          f"({stage}.warmup_epochs={t.warmup_epochs!r}), which {stage}.epochs={t.epochs} never "
+                          f"passes; raise {stage}.epochs (the most the budget may train)")
 
 
 def _check_cuda_graph(stage: str, t: TrainConfig, ranks: int) -> None:

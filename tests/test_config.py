@@ -66,6 +66,8 @@ def test_params_yaml_and_code_defaults_agree():
     ({"ray.num_workers": 0}, ["ray.num_workers", "0", "> 0"]),
     ({"pretrain.time_budget_minutes": 0}, ["pretrain.time_budget_minutes", "0", "> 0"]),
     ({"finetune.time_budget_minutes": 8}, ["finetune.time_budget_minutes", "finetune.warmup_epochs >= 2", "got 1"]),
+    ({"pretrain.time_budget_minutes": 8, "pretrain.epochs": 2}, ["pretrain.time_budget_minutes", "warmup_epochs=2",
+                                                                  "pretrain.epochs=2 never passes"]),
     ({"finetune.checkpoint_every_epochs": 0}, ["finetune.checkpoint_every_epochs", "0", "> 0"]),
     ({"ray.checkpoints_to_keep": 0}, ["ray.checkpoints_to_keep", "0", "> 0"]),
     ({"ray.max_failures": -1}, ["ray.max_failures", "-1", ">= 0"]),
