@@ -165,8 +165,9 @@ def print_summary(report: dict) -> None:
         reached = ", ".join(f"{lvl} % at epoch {s[f'epoch_to_top1_{lvl}']} ({s[f'time_to_top1_{lvl}_s']:.1f} s)"
                             if f"epoch_to_top1_{lvl}" in s else f"{lvl} % not reached" for lvl in LEVELS)
         print(f"  {stage:<9}: {s['epochs']} epoch(s), {s['wall_time_s']:.1f} s training, "
-              f"{s['images_per_s']:.0f} img/s, input wait {s['input_wait_share']:.0%} (medians over epochs); kept epoch {s['kept_epoch']} "
-              f"({s['kept_source']} weights), val top-1 {s['kept_val_top1']:.4f}; val {reached}")
+              f"{s['images_per_s']:.0f} img/s, input wait {s['input_wait_share']:.0%} (medians over epochs); "
+              f"kept epoch {s['kept_epoch']} ({s['kept_source']} weights), val top-1 {s['kept_val_top1']:.4f}; "
+              f"val {reached}")
     print(f"  test     : top-1 {report['test_top1']:.4f}, loss {report['test_loss']:.4f} "
           f"({report['test_images']} images)")
     print(f"  wall time: {report['training_wall_time_s']:.1f} s training (all stages, every launch); "
