@@ -363,12 +363,31 @@ def test_graph_safe_run_checkpoints_and_a_plain_run_continues_it(digits_dir, tmp
     assert isinstance(graphed["optimizer"]["param_groups"][0]["lr"], torch.Tensor) and first["epoch"] == 1
     (continued,) = train(plain, tmp_path / "continued", resume_from=str(tmp_path / "graph" / list_checkpoints(
         str(tmp_path / "graph"))[0]))
+    assert [(type(g["lr"]), g["lr"], g["capturable"]) for g in continued["optimizer"]["param_groups"]] == [
+        (float, g["lr"], False) for g in reference["optimizer"]["param_groups"]]  # plain again: float rates
     for end in (graphed, continued):
         assert end["step"] == 6 and end["ema"]["_extra_state"] == {"updates": 6}
         for part in ("model", "ema"):
             for k, v in reference[part].items():
                 if isinstance(v, torch.Tensor):
                     torch.testing.assert_close(end[part][k], v, rtol=1e-4, atol=1e-6, msg=f"{part}.{k}")
+
+
+def test_graph_free_undoes_what_a_capture_left_in_the_groups():
+    """A GPU capture leaves tensor learning rates and ``capturable`` in the groups it saves; a plain
+    step restored from them gets floats and ``capturable`` off again, and steps as before."""
+    from pipeline.train.graphs import graph_free, graph_safe
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.01)
+    graph_safe(opt, torch.device("cpu"))
+    opt.param_groups[0]["capturable"] = True  # what CapturedStep._capture sets on a GPU
+    graph_free(opt)
+    assert type(opt.param_groups[0]["lr"]) is float and opt.param_groups[0]["lr"] == pytest.approx(0.01)
+    assert opt.param_groups[0]["capturable"] is False
+    w.grad = torch.ones(3)
+    opt.step()
+    assert torch.all(w < 1)
 
 
 def test_a_run_short_of_its_end_is_reported_as_diverged():

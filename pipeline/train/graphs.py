@@ -32,6 +32,17 @@ def graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
 
 
+def graph_free(optimizer: torch.optim.Optimizer) -> None:
+    """Undo :func:`graph_safe` (and the capture's ``capturable``) on groups restored from a
+    ``cuda_graph`` run's checkpoint: a plain step continues it with float learning rates, as a plain
+    run starts, rather than a tensor restored on the CPU beside the device's parameters."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"] = float(group["lr"])
+        if group.get("capturable"):
+            group["capturable"] = False
+
+
 class CapturedStep:
     """Calls ``compute(*inputs, ema_weight)`` (the step's device work, no host sync inside) through
     one CUDA graph: :data:`WARMUP_STEPS` eager calls, then a capture, then a replay per call. Returns

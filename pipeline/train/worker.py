@@ -29,7 +29,7 @@ from pipeline.model import ViTConfig, VisionTransformer
 from pipeline.train.budget import plan_epoch, planned_epochs
 from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
 from pipeline.train.context import TrainContext
-from pipeline.train.graphs import CapturedStep
+from pipeline.train.graphs import CapturedStep, graph_free
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.optim import accumulation, build_optimizer, set_total_steps
 from pipeline.train.techniques import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
@@ -260,6 +260,8 @@ def _resume(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, objects: dict)
     """Where the run stands: restored from its latest checkpoint (a time budget's plan included), or
     a fresh start; None when it has nothing left to train."""
     progress = restore(objects, ctx=ctx) or Progress()
+    if stepper.captured is None:  # a plain step may continue a cuda_graph run's checkpoint
+        graph_free(stepper.optimizer)
     if progress.epochs:
         set_total_steps(stepper.scheduler, _steps(cfg, progress))
     finished = progress.epoch >= _epochs(cfg, progress) or objects["selection"].stopped
