@@ -34,7 +34,7 @@ from pipeline.config import TrainConfig  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
 from pipeline.model import build_vit  # noqa: E402
 from pipeline.train.loop_config import LoopConfig  # noqa: E402
-from pipeline.train.worker import Stepper  # noqa: E402
+from pipeline.train.step import Stepper  # noqa: E402
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 

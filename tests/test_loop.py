@@ -13,7 +13,7 @@ import torch
 from pipeline.config import TrainConfig
 from pipeline.model import build_vit
 from pipeline.train.loop_config import LoopConfig
-from pipeline.train.worker import Stepper
+from pipeline.train.step import Stepper
 from tests.conftest import run_as_on_gpu_box
 
 
