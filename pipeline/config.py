@@ -387,7 +387,7 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
 
 
 def _check_time_budget(stage: str, t: TrainConfig) -> None:
-    from pipeline.train.budget import PLAN_AFTER_EPOCHS
+    from pipeline.train.budget import PLAN_AFTER_EPOCHS, unplanned
 
     if t.time_budget_minutes is None:
         return
@@ -396,10 +396,9 @@ def _check_time_budget(stage: str, t: TrainConfig) -> None:
         raise ConfigError(f"{stage}.time_budget_minutes needs {stage}.warmup_epochs >= {PLAN_AFTER_EPOCHS}, "
                           f"got {t.warmup_epochs!r}: the run's length is fixed at the end of the warm-up, by "
                           f"the pace of its epochs after the first")
-    if t.epochs <= int(t.warmup_epochs):
-        raise ConfigError(f"{stage}.time_budget_minutes: the run's length is fixed at the end of the warm-up "
-                          f"({stage}.warmup_epochs={t.warmup_epochs!r}), which {stage}.epochs={t.epochs} never "
-                          f"passes; raise {stage}.epochs (the most the budget may train)")
+    problem = unplanned(stage, t.epochs, t.warmup_epochs, int(t.warmup_epochs))  # the driver checks it exactly
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_cuda_graph(stage: str, t: TrainConfig, ranks: int) -> None:

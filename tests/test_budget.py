@@ -79,3 +79,32 @@ def test_a_captured_step_reads_the_planned_rates():
     assert all(group["lr"] is t for group, t in zip(opt.param_groups, captured))  # the same tensors,
     assert [float(t) for t in captured] == pytest.approx(planned, rel=1e-6)  # refilled with the plan's rates
     assert planned != pytest.approx(before, rel=1e-6)
+
+
+def test_a_warm_up_that_rounds_past_its_whole_epochs_is_refused_before_the_run(digits_dir):
+    """2.9999 warm-up epochs pass the config's check with ``epochs: 3`` (its whole epochs: 2), but at 3
+    steps an epoch they are 9 steps, so the plan would come after epoch 3, the run's last: the driver,
+    which knows the steps, refuses it in one line rather than ignore the budget; one more epoch passes."""
+    from pathlib import Path
+
+    from pipeline.config import ConfigError, load_params
+    from pipeline.data import read_dataset_info
+    from pipeline.model import ViTConfig, VisionTransformer
+    from pipeline.train.driver import prepare_run
+
+    batch = read_dataset_info(digits_dir)["counts"]["train"] // 3  # 3 steps an epoch
+
+    def prepare(epochs: int):
+        params = load_params(Path(__file__).parents[1] / "params.yaml", overrides={
+            "pretrain.time_budget_minutes": 1, "pretrain.warmup_epochs": 2.9999, "pretrain.epochs": epochs,
+            "pretrain.global_batch_size": batch, "ray.num_workers": 1})
+        model = VisionTransformer(ViTConfig(image_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2,
+                                            num_classes=10))
+        return prepare_run("pretrain", params, params.pretrain, model, str(digits_dir))
+
+    with pytest.raises(ConfigError) as err:
+        prepare(3)
+    assert str(err.value).startswith("pretrain.time_budget_minutes: the run's length is fixed at the end of the "
+                                     "warm-up (pretrain.warmup_epochs=2.9999: 9 steps of 3 an epoch), which "
+                                     "pretrain.epochs=3 never passes")
+    assert prepare(4).loop.warmup_steps == 9

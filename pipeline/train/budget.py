@@ -20,6 +20,17 @@ def plan_epoch(warmup_steps: int, steps_per_epoch: int) -> int:
     return max(PLAN_AFTER_EPOCHS, warmup_steps // steps_per_epoch)
 
 
+def unplanned(stage: str, epochs: int, warmup_epochs: float, after: int, how: str = "") -> str | None:
+    """Why a budget could never plan the run (``epochs`` ends it by epoch ``after``, where the plan
+    is made), or None. The config checks it with the warm-up's whole epochs, before any data is read;
+    the driver again with the plan's own epoch (:func:`plan_epoch`), once steps per epoch are known."""
+    if epochs > after:
+        return None
+    return (f"{stage}.time_budget_minutes: the run's length is fixed at the end of the warm-up "
+            f"({stage}.warmup_epochs={warmup_epochs!r}{how}), which {stage}.epochs={epochs} never passes; "
+            f"raise {stage}.epochs (the most the budget may train) or shorten the warm-up")
+
+
 def planned_epochs(budget_s: float, spent_s: float, epoch_s: float, done: int, most: int) -> int:
     """Epochs for the whole run: those ``done`` (``spent_s`` of the budget), then as many more as the
     rest holds at ``epoch_s`` each; at least one more (a run ends with an evaluated, checkpointed

@@ -23,6 +23,7 @@ from pipeline.cluster import check_local_capacity, worker_resources
 from pipeline.config import ConfigError, Params, RayConfig, TrainConfig
 from pipeline.data import check_shard_files, read_dataset_info
 from pipeline.model import VisionTransformer
+from pipeline.train.budget import plan_epoch, unplanned
 from pipeline.train.checkpoint import load_state
 from pipeline.train.context import latest_checkpoint, node_staging_dir, prune_checkpoints, remove_staging
 from pipeline.train.loop_config import LoopConfig, LoopRun
@@ -85,6 +86,17 @@ def check_batch_fits(stage: str, global_batch: int, train_images: int, shard_dir
                           f"({train_images} images in {shard_dir}); valid: 1..{train_images}")
 
 
+def check_budget_plans(stage: str, recipe: TrainConfig, warmup_steps: int, steps_per_epoch: int) -> None:
+    """A time budget's plan is made at the warm-up's last whole epoch in steps, which can round past
+    the whole epochs the config checked (2.9999 epochs of 3 steps: 9 steps, epoch 3)."""
+    if recipe.time_budget_minutes is None:
+        return
+    problem = unplanned(stage, recipe.epochs, recipe.warmup_epochs, plan_epoch(warmup_steps, steps_per_epoch),
+                        f": {warmup_steps} steps of {steps_per_epoch} an epoch")
+    if problem:
+        raise ConfigError(problem)
+
+
 def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
                 shard_dir: str, logged: dict[str, str] | None = None) -> RunSpec:
     """Everything the ranks need, and the run name that identifies this exact run (and the params
@@ -95,12 +107,13 @@ def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTr
     check_local_capacity(params.ray)
     check_batch_fits(stage, recipe.global_batch_size, info["counts"]["train"], shard_dir)
     steps = info["counts"]["train"] // recipe.global_batch_size
+    warmup_steps = int(round(recipe.warmup_epochs * steps))
+    check_budget_plans(stage, recipe, warmup_steps, steps)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     loop = LoopConfig.from_train(
         recipe, stage=stage, model=model.config.to_dict(), shard_dir=storage.worker_path(shard_dir),
         steps_per_epoch=steps, per_worker_batch=worker_batch(recipe.global_batch_size, world),
-        warmup_steps=int(round(recipe.warmup_epochs * steps)), loader_workers=loader_workers(params.ray),
-        verbose=params.ray.verbose)
+        warmup_steps=warmup_steps, loader_workers=loader_workers(params.ray), verbose=params.ray.verbose)
     # the backend is not part of the identity: a local run and a 1-worker Ray run continue each other
     identity = {**loop.identity(), "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
                 "init": _state_digest(state), "logged": logged or {}}
