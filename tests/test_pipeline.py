@@ -176,18 +176,34 @@ def test_pipeline_run_is_what_you_compare(repro):
     assert ev_inputs == {("finetune-digits-test", "test")}
 
 
-def _queue_settled(repo: Path, names: list[str], timeout: float = 900) -> str:
-    """Poll `dvc queue status` until none of ``names`` is queued or running; returns the last status."""
+def _queue_start(repo: Path) -> None:
+    with open(repo / "queue-start.log", "a") as log:  # its worker keeps inherited pipes open: a file
+        start = subprocess.run(["dvc", "queue", "start"], cwd=repo, env=clean_env(), stdout=log,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=120)
+    assert start.returncode == 0, (repo / "queue-start.log").read_text()
+
+
+def _queue_settled(repo: Path, names: list[str], timeout: float = 900, stall: float = 90) -> tuple[str, int]:
+    """Poll `dvc queue status` until none of ``names`` is queued or running; returns the last status and
+    how often the queue had to be started again. DVC's worker can stop with experiments still queued
+    (treeverse/dvc#10562: CI saw it leave one of two); as README says, `dvc queue start` again then."""
     import time
 
-    deadline = time.time() + timeout
+    deadline, stalled_since, restarts = time.time() + timeout, None, 0
     while True:
         status = run(["dvc", "queue", "status"], repo, timeout=120).stdout
         rows = [line for line in status.splitlines() if any(n in line.split() for n in names)]
         if len(rows) == len(names) and not any(w in line for line in rows for w in ("Queued", "Running")):
-            return status
+            return status, restarts
         assert time.time() < deadline, status
-        time.sleep(5)
+        if any("Running" in line for line in rows) or not any("Queued" in line for line in rows):
+            stalled_since = None
+        elif stalled_since is None:
+            stalled_since = time.time()
+        elif time.time() - stalled_since > stall:  # queued, nothing running for 90 s: no worker
+            _queue_start(repo)
+            stalled_since, restarts = None, restarts + 1
+        time.sleep(10)
 
 
 def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, tmp_path):
@@ -211,14 +227,11 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, tmp_path):
     assert proc.stderr == f"error: {tmp_path / 'missing.yaml'}: cannot read it (No such file or directory)\n"
     assert "from-bad-recipe" not in run(["dvc", "queue", "status"], repo, timeout=120).stdout
     try:
-        with open(repo / "queue-start.log", "w") as log:  # its worker keeps inherited pipes open: a file
-            start = subprocess.run(["dvc", "queue", "start"], cwd=repo, env=clean_env(), stdout=log,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=120)
-        assert start.returncode == 0, (repo / "queue-start.log").read_text()
-        status = _queue_settled(repo, list(names))
+        _queue_start(repo)
+        status, restarts = _queue_settled(repo, list(names))
     finally:
         run(["dvc", "queue", "stop"], repo, timeout=120)
-    assert status.count("Success") >= 2, status
+    assert status.count("Success") >= 2 and restarts < len(names), status
     show = json.loads(run(["dvc", "exp", "show", "--json"], repo, timeout=120).stdout)
     shown = [e.get("name") for base in show for e in (base.get("experiments") or []) for e in (e.get("revs") or [])]
     assert set(names) <= set(shown)
