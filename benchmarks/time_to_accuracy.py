@@ -122,8 +122,7 @@ def train_stage(stage: str, params: Params, shard_dir: Path, info: dict, model: 
     result = fit(spec, params, model, step_hooks=hooks)
     model_dir = save_model(result.model, Path(params.ray.storage_path) / spec.run_name / "model",
                            extra=model_meta(stage, recipe, info, spec.run_name))
-    report = {"run": spec.run_name, "epochs": result.history[-1]["epoch"], **stage_summary(result),
-              **pace(result.history)}
+    report = {"run": spec.run_name, **stage_summary(result), **pace(result.history)}
     return report, model_dir
 
 
@@ -164,7 +163,7 @@ def print_summary(report: dict) -> None:
     for stage, s in report["stages"].items():
         reached = ", ".join(f"{lvl} % at epoch {s[f'epoch_to_top1_{lvl}']} ({s[f'time_to_top1_{lvl}_s']:.1f} s)"
                             if f"epoch_to_top1_{lvl}" in s else f"{lvl} % not reached" for lvl in LEVELS)
-        print(f"  {stage:<9}: {s['epochs']} epoch(s), {s['wall_time_s']:.1f} s training, "
+        print(f"  {stage:<9}: {s['epoch']} epoch(s), {s['wall_time_s']:.1f} s training, "
               f"{s['images_per_s']:.0f} img/s, input wait {s['input_wait_share']:.0%} (medians over epochs); "
               f"kept epoch {s['kept_epoch']} ({s['kept_source']} weights), val top-1 {s['kept_val_top1']:.4f}; "
               f"val {reached}")

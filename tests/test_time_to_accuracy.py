@@ -58,7 +58,7 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
     assert 0.0 <= report["test_top1"] <= 1.0 and report["test_loss"] > 0
     assert f"test     : top-1 {report['test_top1']:.4f}" in second.stdout
     assert report["test_images"] == read_dataset_info(digits_dir)["counts"]["test"]
-    assert (report["stages"]["pretrain"]["epochs"], report["stages"]["finetune"]["epochs"]) == (3, 1)
+    assert (report["stages"]["pretrain"]["epoch"], report["stages"]["finetune"]["epoch"]) == (3, 1)
     assert all(s["wall_time_s"] > 0 for s in report["stages"].values())
     for stage, s in report["stages"].items():  # the loop's pace: medians over its epochs
         assert s["images_per_s"] > 0 and 0 < s["input_wait_share"] < 1
