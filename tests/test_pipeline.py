@@ -193,14 +193,15 @@ def _queue_settled(repo: Path, names: list[str], timeout: float = 900, stall: fl
     while True:
         status = run(["dvc", "queue", "status"], repo, timeout=120).stdout
         rows = [line for line in status.splitlines() if any(n in line.split() for n in names)]
-        if len(rows) == len(names) and not any(w in line for line in rows for w in ("Queued", "Running")):
+        queued, running = (any(word in line for line in rows) for word in ("Queued", "Running"))
+        if len(rows) == len(names) and not (queued or running):
             return status, restarts
         assert time.time() < deadline, status
-        if any("Running" in line for line in rows) or not any("Queued" in line for line in rows):
+        if running or not queued:
             stalled_since = None
         elif stalled_since is None:
             stalled_since = time.time()
-        elif time.time() - stalled_since > stall:  # queued, nothing running for 90 s: no worker
+        elif time.time() - stalled_since > stall:  # queued, nothing running for `stall` s: no worker
             _queue_start(repo)
             stalled_since, restarts = None, restarts + 1
         time.sleep(10)
