@@ -305,10 +305,10 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
           f"below 1, the input bounds the loop)")
     print(f"median full loop   : {fed:9.0f} img/s")
     print(f"feed ratio         : {fed / alone:9.3f}   (target >= 0.9 on a GPU)")
-    for name in (n for n in median if f"loop {n}" in median):  # --compare-mode, --compare-graph
-        twin_alone, twin_fed = median[name], median[f"loop {name}"]
-        print(f"{name} alone : {twin_alone:9.0f} img/s   ({twin_alone / alone:.2f}x the model alone above)")
-        print(f"{name} loop  : {twin_fed:9.0f} img/s   (feed ratio {twin_fed / twin_alone:.3f}; "
+    for twin in (n for n in median if f"loop {n}" in median):  # --compare-mode, --compare-graph
+        twin_alone, twin_fed = median[twin], median[f"loop {twin}"]
+        print(f"{twin} alone : {twin_alone:9.0f} img/s   ({twin_alone / alone:.2f}x the model alone above)")
+        print(f"{twin} loop  : {twin_fed:9.0f} img/s   (feed ratio {twin_fed / twin_alone:.3f}; "
               f"{twin_fed / fed:.2f}x the full loop above)")
     if device.type == "cuda":
         note = "   (the twins' steps included)" if len(median) > 3 else ""

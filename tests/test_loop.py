@@ -196,6 +196,24 @@ def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
     assert {"input", "train_step"} <= {e.get("name") for e in trace["traceEvents"]}
 
 
+def test_throughput_report_gives_mfu_beside_the_twins(monkeypatch, capsys):
+    """On a GPU the report ends with MFU against the device's bf16 peak, also after --compare-graph's
+    twin lines (whose loop once reused the device name's variable, so no MFU followed them)."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks import train_throughput as tp
+    monkeypatch.setattr(tp, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    args = NS(stage="pretrain", recipe="configs/cifar10-1gpu.yaml", params="params.yaml", steps=40, rounds=2)
+    params = NS(model=NS(preset="small", patch_size=4))
+    loop = NS(image_size=32, per_worker_batch=512, amp="auto", compile=True, compile_mode="reduce-overhead",
+              loader_workers=15)
+    median = {"model": 47620.0, "input": 42141.0, "loop": 45273.0, "cuda_graph": 47889.0, "loop cuda_graph": 47771.0}
+    tp.report(args, params, loop, torch.device("cuda"), median, 2**30, 1e9)
+    out = capsys.readouterr().out
+    assert "cuda_graph loop  :     47771 img/s   (feed ratio 0.998; 1.06x the full loop above)" in out
+    assert f"MFU (bf16 peak)    : {1e9 * 45273 / 989e12:9.1%} of 989 TFLOP/s" in out
+
+
 def test_ema_warmup_follows_the_schedule_and_resumes():
     """Update 0 copies the weights (decay 0), then 1 - (1 + t)^(-2/3) until it reaches ema_decay."""
     from pipeline.train.techniques import EMA, ema_decay_at
