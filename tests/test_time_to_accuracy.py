@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from pipeline.data import read_dataset_info
 from pipeline.inference import predict_split
 from pipeline.model import load_model
-from tests.conftest import run_as_on_gpu_box
+from pipeline.recipes import recipe_overrides
+from tests.conftest import ROOT, run_as_on_gpu_box
 
 SCRIPT = "benchmarks/time_to_accuracy.py"
 TINY = ("--set", "model.depth=1", "--set", "pretrain.epochs=2", "--set", "finetune.epochs=1",
@@ -124,8 +123,7 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     assert info["params"]["maxcount"] == 1000 and info["params"]["val_fraction"] == 0.02  # the recipe's data section
     report = json.loads(out.read_text())
     assert report["recipe"] == "configs/cifar10-1gpu.yaml" and report["test_images"] == 90
-    recipe = yaml.safe_load((Path(__file__).parents[1] / "configs" / "cifar10-1gpu.yaml").read_text())
-    budget = recipe["pretrain"]["time_budget_minutes"]
+    budget = recipe_overrides(str(ROOT / "configs" / "cifar10-1gpu.yaml"))["pretrain.time_budget_minutes"]
     assert re.search(rf"\[pretrain\] time budget {budget:g} min: .* -> 3 epochs \(at most 3\)", proc.stdout), proc.stdout
     assert TRAINED.findall(proc.stdout) == ["[pretrain] epoch 1/3 ", "[pretrain] epoch 2/3 ", "[pretrain] epoch 3/3 ",
                                             "[finetune] epoch 1/1 "]
@@ -206,7 +204,7 @@ def test_plain_loop_schedule_is_the_stages():
     from pipeline.train.optim import build_optimizer
 
     cfg = TrainConfig(epochs=3, lr=1e-3, min_lr=1e-5, warmup_epochs=1.0, weight_decay=0.05)
-    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml", overrides={"model.depth": 1})
+    params = load_params(ROOT / "params.yaml", overrides={"model.depth": 1})
     model = build_model(params.model, image_size=16, num_classes=3)
     plain, plain_sched = optimiser(model, cfg, steps_per_epoch=7)
     ours, ours_sched = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, min_lr=cfg.min_lr,
