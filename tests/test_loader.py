@@ -333,6 +333,16 @@ def test_eval_with_workers_single_partial_batch(digits_dir):
     assert sum(len(b[1]) for batches in per_rank for b in batches) == 360
 
 
+def test_eval_pass_after_an_abandoned_one_gives_every_sample(digits_dir):
+    """The loop's sanity check takes one val batch and stops; the workers persist, and each later pass
+    still gives every sample once."""
+    loader = make_eval_loader(digits_dir, "test", batch_size=50, image_size=8, rank=0, world_size=1,
+                              augment=None, num_workers=2)
+    next(iter(loader))
+    passes = [sorted(torch.cat([y for _, y in loader]).tolist()) for _ in range(2)]
+    assert len(passes[0]) == 360 and passes[0] == passes[1]
+
+
 def test_train_with_workers(digits_dir):
     loader = make_train_loader(digits_dir, batch_size=32, image_size=16, steps_per_epoch=6, rank=0,
                                world_size=2, epoch=0, seed=0, augment={"auto_augment": "trivialaugment"},

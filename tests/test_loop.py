@@ -479,3 +479,53 @@ def test_input_scaling_reports_each_worker_count(digits_dir):
     bad = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--input-scaling", "1,-2")
     assert bad.returncode == 2 and "'1,-2': comma-separated worker counts >= 0" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_resumed_launch_draws_drop_path_as_the_whole_run(digits_dir, tmp_path):
+    """On a CPU, drop-path draws from the global torch RNG, which checkpoints carry. The val loader
+    (workers) must not draw from it: a launch resumed at epoch 1 creates its val loader anew, and
+    still ends with the weights of the run that never stopped."""
+    from pipeline.train.checkpoint import load_state
+    from pipeline.train.context import LocalContext, list_checkpoints
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import run_loop
+
+    torch.manual_seed(0)
+    model = build_vit("nano", patch_size=4, image_size=16, num_classes=10, depth=2, drop_path_rate=0.5)
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), epochs=3), shard_dir=str(digits_dir),
+                              steps_per_epoch=3, loader_workers=1)
+
+    def train(run_dir, resume_from=None) -> list[dict]:
+        ctx = LocalContext(str(run_dir), use_gpu=False, keep=3, resume_from=resume_from)
+        run_loop(cfg, LoopRun(init_state=model.state_dict()), ctx)
+        return [load_state(run_dir / name) for name in list_checkpoints(str(run_dir))]
+
+    whole = train(tmp_path / "whole")
+    assert [c["epoch"] for c in whole] == [1, 2, 3]
+    first = tmp_path / "whole" / list_checkpoints(str(tmp_path / "whole"))[0]
+    (*_, resumed) = train(tmp_path / "resumed", resume_from=str(first))
+    assert resumed["epoch"] == 3
+    for k, v in whole[-1]["model"].items():
+        assert torch.equal(resumed["model"][k], v), k
+
+
+def test_one_val_batch_runs_before_the_first_step(digits_dir, tmp_path):
+    """The loop's sanity check: a val split that cannot be read fails the run before it trains a
+    step, not at the first evaluation ``eval_every`` epochs later."""
+    import shutil
+
+    from pipeline.train.context import LocalContext
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import run_loop
+
+    shards = tmp_path / "shards"
+    shutil.copytree(digits_dir, shards)
+    (shards / "val-000000.tar").write_bytes(b"not a tar" * 100)
+    model = _model()
+    log = tmp_path / "steps.txt"
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), eval_every=2, epochs=2), shard_dir=str(shards),
+                              steps_per_epoch=3)
+    run = LoopRun(init_state=model.state_dict(), step_hooks=(f"tests.test_loop:record_step={log}",))
+    with pytest.raises(Exception, match="val-000000.tar"):
+        run_loop(cfg, run, LocalContext(str(tmp_path / "run"), use_gpu=False, keep=1))
+    assert not log.exists() or log.read_text() == ""

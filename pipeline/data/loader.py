@@ -386,6 +386,8 @@ def make_eval_loader(shard_dir, split: str, *, batch_size: int, image_size: int,
     finish, device = BatchFinish(augment), torch.device(device)
     if num_workers == 0 or not urls:
         return _Loader(lambda: _finish_on(iter(ds), finish, device), length, n)
+    # its own generator, as the train loader's: creating the iterator (again in a resumed launch) must not
+    # draw from the global torch RNG, which dropout and drop-path use on a CPU and checkpoints carry
     loader = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=True,
-                        pin_memory=device.type == "cuda")
+                        pin_memory=device.type == "cuda", generator=torch.Generator())
     return _Loader(lambda: _finish_on(_rebatch(iter(loader), batch_size), finish, device), length, n)

@@ -66,6 +66,21 @@ def evaluate_split(net: torch.nn.Module, loader, *, amp: str, device: torch.devi
     return {f"{split}_loss{suffix}": loss_sum / max(count, 1), f"{split}_top1{suffix}": correct / max(count, 1)}
 
 
+@torch.no_grad()
+def check_val_batch(net: torch.nn.Module, loader, *, amp: str, device: torch.device) -> None:
+    """One val batch through ``net`` before training (Lightning's sanity check): a val split that cannot
+    be read fails the run before its first step, not ``eval_every`` epochs later. The val path's one-off
+    costs (its workers' start, the eager model's first calls) then fall in the first epoch, which a time
+    budget's plan leaves out, instead of in the first evaluation, which the plan would take for pace."""
+    was_training = net.training
+    net.eval()
+    for images, _ in loader:  # none on a rank without val samples
+        with autocast(device, amp_dtype(amp, device)):
+            net(images)
+        break
+    net.train(was_training)
+
+
 def _select(selection: Selection, metrics: dict, stepper: Stepper, keep_weights: bool, last: bool) -> None:
     """After an evaluation: let the selection see it, and copy the weights it now keeps (rank 0)."""
     if selection.update(metrics, images=metrics["images_seen"], last=last) and keep_weights:
@@ -146,6 +161,7 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     batches, val_loader = _loaders(cfg, ctx, progress)
     pace = _Pace(progress.step)
     clock = pace.start  # wall_time_s counts from here: every epoch, evaluation and checkpoint but the last
+    check_val_batch(unwrap(stepper.model), val_loader, amp=cfg.amp, device=ctx.device)
 
     def checkpoint(metrics: dict) -> None:
         save_and_report(metrics, ctx=ctx, objects=objects, progress=progress, extra=extra)
