@@ -7,15 +7,17 @@ import math
 import pytest
 import torch
 from torchvision.transforms import InterpolationMode
-from torchvision.transforms.v2 import RandAugment, TrivialAugmentWide
+from torchvision.transforms.v2 import AutoAugment, RandAugment, TrivialAugmentWide
 from torchvision.transforms.v2 import functional as F
 
-from pipeline.data.device_augment import BINS, GEOMETRIC, OPS, RANDAUGMENT_BIN, SIGNED, DeviceAugment, magnitude_table
-from pipeline.data.transforms import resolve_augment
+from pipeline.data.device_augment import (AUTOAUGMENT_BINS, BINS, GEOMETRIC, OPS, RANDAUGMENT_BIN, SAMPLED, SIGNED,
+                                          DeviceAugment, cifar10_policy, magnitude_table)
+from pipeline.data.transforms import AUTO_AUGMENTS, AUTOAUGMENT_CIFAR10, resolve_augment
 
 H = W = 32
 RA = {"auto_augment": "randaugment", "random_erasing": 0.5}
 TA = {"auto_augment": "trivialaugment", "random_erasing": 0.5}
+AA = {"auto_augment": AUTOAUGMENT_CIFAR10, "random_erasing": 0.5}
 
 
 def _images(n: int, seed: int = 0) -> torch.Tensor:
@@ -49,19 +51,24 @@ def test_off_is_bit_equal_to_plain_normalisation(augment):
 
 
 def test_magnitude_table_is_torchvisions():
-    for kind, tv in (("randaugment", RandAugment), ("trivialaugment", TrivialAugmentWide)):
+    kinds = (("randaugment", RandAugment, BINS), ("trivialaugment", TrivialAugmentWide, BINS),
+             (AUTOAUGMENT_CIFAR10, AutoAugment, AUTOAUGMENT_BINS))
+    assert [k for k, _, _ in kinds] == [k for k in AUTO_AUGMENTS if k]
+    for kind, tv, bins in kinds:
         space = tv._AUGMENTATION_SPACE
-        assert tuple(space) == OPS
+        assert tuple(space) == (OPS[:SAMPLED] if tv is not AutoAugment else OPS[1:])  # AutoAugment: no Identity
         assert {op for op, (_, signed) in space.items() if signed} == SIGNED
         for h, w in ((32, 32), (24, 40)):
             for op, mine in zip(OPS, magnitude_table(kind, h, w)):
-                theirs = space[op][0](BINS, h, w)
+                if op not in space:
+                    continue
+                theirs = space[op][0](bins, h, w)
                 assert (mine is None) == (theirs is None), op
                 if theirs is not None:
                     assert list(mine) == [float(v) for v in theirs], (kind, op)
 
 
-@pytest.mark.parametrize("augment", [RA, TA])
+@pytest.mark.parametrize("augment", [RA, TA, AA])
 def test_deterministic_and_per_sample(augment):
     aug, x, seeds = DeviceAugment(augment), _images(32), list(range(1000, 1032))
     params, before = aug.draw(seeds, H, W), x.clone()
@@ -76,7 +83,7 @@ def test_deterministic_and_per_sample(augment):
     assert torch.equal(torch.cat(alone), out)
 
 
-@pytest.mark.parametrize("augment", [RA, TA, {"auto_augment": "randaugment"}, {"random_erasing": 0.5}, None])
+@pytest.mark.parametrize("augment", [RA, TA, AA, {"auto_augment": "randaugment"}, {"random_erasing": 0.5}, None])
 def test_worker_part_then_device_part_is_the_whole(augment):
     """The loader worker runs ``on_host`` (the auto-augment ops, uint8) and the device the rest: together
     the same pixels as the whole augmentation in one place, with only erasing's draws left to ship."""
@@ -107,7 +114,8 @@ def _torchvision_op(name: str, img: torch.Tensor, m: float, interp) -> torch.Ten
         return F.posterize(img, int(m))
     if name == "Solarize":
         return F.solarize(img, 255.0 * m)
-    return {"Identity": lambda i: i, "AutoContrast": F.autocontrast, "Equalize": F.equalize}[name](img)
+    return {"Identity": lambda i: i, "AutoContrast": F.autocontrast, "Equalize": F.equalize,
+            "Invert": F.invert}[name](img)
 
 
 @pytest.mark.parametrize("name, interpolation", [(op, "bilinear") for op in OPS] + [(op, "nearest") for op in GEOMETRIC])
@@ -120,7 +128,7 @@ def test_op_matches_torchvision(name, interpolation):
     """
     k = OPS.index(name)
     values = {0.0}
-    for kind in ("randaugment", "trivialaugment"):
+    for kind in AUTO_AUGMENTS[1:]:
         values |= set(magnitude_table(kind, H, W)[k] or ())
     values = sorted(values | {-v for v in values} if name in SIGNED else values)
     imgs = _images(4, seed=k)
@@ -143,9 +151,10 @@ def test_op_choice_magnitude_and_sign_distribution():
         assert set(p) == {"op", "magnitude"} and p["op"].shape == p["magnitude"].shape == (n, slots)
         assert p["op"].dtype == torch.int64 and p["magnitude"].dtype == torch.float32
         counts = torch.bincount(p["op"].flatten(), minlength=len(OPS)).float()
-        assert (counts / (n * slots / len(OPS))).sub(1).abs().max() < 0.25, counts  # ~5 sd
+        assert counts[SAMPLED:].sum() == 0  # Invert is AutoAugment's only
+        assert (counts[:SAMPLED] / (n * slots / SAMPLED)).sub(1).abs().max() < 0.25, counts  # ~5 sd
         table = magnitude_table(augment["auto_augment"], H, W)
-        for k, name in enumerate(OPS):
+        for k, name in enumerate(OPS[:SAMPLED]):
             m = p["magnitude"][p["op"] == k]
             if table[k] is None:
                 assert (m == 0).all()
@@ -156,6 +165,35 @@ def test_op_choice_magnitude_and_sign_distribution():
                 assert 0.35 < (m < 0).float().mean() < 0.65, name
             if slots == 1:  # TrivialAugmentWide: the bin is uniform over all BINS (~7 draws each)
                 assert len(torch.unique(m.abs())) >= len(set(table[k])) - 3, name
+
+
+def test_autoaugment_draws_its_sub_policies():
+    """Each sample takes one of the 25 CIFAR-10 sub-policies (uniformly) and applies each of its two ops
+    with the op's probability at the op's bin (Identity where it is not applied), as torchvision's
+    AutoAugment does: the frequency of every op in each slot is the policy's, within ~5 sd."""
+    n, policy = 20000, cifar10_policy()
+    assert len(policy) == 25
+    aug = DeviceAugment({"auto_augment": AUTOAUGMENT_CIFAR10})
+    p = aug.draw(range(n), H, W)
+    assert p["op"].shape == p["magnitude"].shape == (n, 2)
+    table = magnitude_table(AUTOAUGMENT_CIFAR10, H, W)
+    for slot in (0, 1):
+        want = torch.zeros(len(OPS), dtype=torch.float64)
+        allowed: dict[int, set] = {0: {0.0}}
+        for sub in policy:
+            name, prob, b = sub[slot]
+            k = OPS.index(name)
+            want[k] += prob / len(policy)
+            want[0] += (1 - prob) / len(policy)
+            allowed.setdefault(k, set()).add(0.0 if b is None else table[k][b])
+        got = torch.bincount(p["op"][:, slot], minlength=len(OPS)).double() / n
+        sd = (want * (1 - want) / n).sqrt()
+        assert ((got - want).abs() <= 5 * sd + 1e-12).all(), (slot, got, want)
+        for k, values in allowed.items():
+            m = p["magnitude"][p["op"][:, slot] == k, slot]
+            assert torch.isin(m.abs(), torch.tensor(sorted(values))).all(), OPS[k]
+            if OPS[k] in SIGNED and (m != 0).any():
+                assert 0.4 < (m[m != 0] < 0).float().mean() < 0.6, OPS[k]
 
 
 def test_erasing_boxes_and_pixels():
@@ -186,7 +224,7 @@ def test_erasing_boxes_and_pixels():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu_without_host_sync():
-    for augment in (RA, TA):
+    for augment in (RA, TA, AA):
         aug, x = DeviceAugment(augment), _images(256)
         params = aug.draw(range(256), H, W)
         cpu = aug(x, params)

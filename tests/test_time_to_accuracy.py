@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipeline.data import read_dataset_info
+from pipeline.data.transforms import AUTO_AUGMENTS
 from pipeline.inference import predict_split
 from pipeline.model import load_model
 from pipeline.recipes import recipe_overrides
@@ -215,3 +216,20 @@ def test_plain_loop_schedule_is_the_stages():
         assert plain.param_groups[0]["lr"] == pytest.approx(ours.param_groups[0]["lr"], rel=1e-12)
         plain_sched.step()
         ours_sched.step()
+
+
+@pytest.mark.parametrize("choice", AUTO_AUGMENTS)
+def test_plain_loop_auto_augments_as_the_pipeline(choice):
+    """Every ``auto_augment`` choice the pipeline offers gives the plain loop the same torchvision
+    transform as the pipeline's reference pipeline (a choice it missed would train without one)."""
+    from benchmarks.plain_loop import transforms
+    from pipeline.config import TrainConfig
+    from pipeline.data.transforms import train_transform
+
+    aug = {"auto_augment": choice}
+    plain, _ = transforms(TrainConfig(image_size=16), aug)
+
+    def auto(compose) -> list[tuple]:
+        return [(type(t), getattr(t, "policy", None)) for t in compose.transforms
+                if "Augment" in type(t).__name__]
+    assert auto(plain) == auto(train_transform(16, aug)) and bool(auto(plain)) == bool(choice)

@@ -1,5 +1,5 @@
-"""The random part of the train augmentation, batched: RandAugment / TrivialAugmentWide on the
-loader worker's CPU, normalisation and random erasing on the training device.
+"""The random part of the train augmentation, batched: RandAugment / TrivialAugmentWide / AutoAugment
+(CIFAR-10 policy) on the loader worker's CPU, normalisation and random erasing on the training device.
 
 Loader workers crop and flip each sample, draw this module's per-sample choices and run the
 auto-augment ops on the whole uint8 batch (:meth:`DeviceAugment.on_host`); the device then
@@ -20,39 +20,51 @@ from __future__ import annotations
 import functools
 import math
 import random
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as nnf
+from torchvision.transforms import AutoAugmentPolicy
+from torchvision.transforms.v2 import AutoAugment
 from torchvision.transforms.v2 import functional as F
 
-from .transforms import BatchFinish, resolve_augment
+from .transforms import AUTOAUGMENT_CIFAR10, BatchFinish, resolve_augment
 
 OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color",
-       "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize")
+       "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize", "Invert")
+SAMPLED = len(OPS) - 1  # RandAugment and TrivialAugmentWide draw among all but Invert (AutoAugment's only)
 GEOMETRIC = OPS[1:6]
 SIGNED = frozenset(OPS[1:10])  # torchvision flips these ops' magnitude with probability 1/2
 BINS, RANDAUGMENT_OPS, RANDAUGMENT_BIN = 31, 2, 9  # torchvision's RandAugment defaults
+AUTOAUGMENT_BINS = 10  # torchvision's AutoAugment: its policies name one of 10 bins
+SLOTS = {None: 0, "randaugment": RANDAUGMENT_OPS, "trivialaugment": 1, AUTOAUGMENT_CIFAR10: 2}  # ops per sample
+
+
+@functools.cache
+def cifar10_policy() -> tuple:
+    """torchvision's AutoAugment CIFAR-10 policy: 25 sub-policies of two (op, probability, bin or None)."""
+    return tuple(AutoAugment(AutoAugmentPolicy.CIFAR10)._policies)
 ERASE_SCALE, ERASE_RATIO = (0.02, 0.33), (0.3, 3.3)  # torchvision's RandomErasing defaults
 
 
 @functools.lru_cache(maxsize=64)
 def magnitude_table(kind: str, height: int, width: int) -> tuple[Optional[tuple[float, ...]], ...]:
-    """Per op (in ``OPS`` order) its ``BINS`` magnitudes, or None for ops without one: the values of
-    torchvision's ``_AUGMENTATION_SPACE`` (float32, as it computes them) for "randaugment" or
-    "trivialaugment" (the wide ranges)."""
-    ra = kind == "randaugment"
+    """Per op (in ``OPS`` order) its magnitudes (``BINS``; ``AUTOAUGMENT_BINS`` for AutoAugment), or None
+    for ops without one: the values of torchvision's ``_AUGMENTATION_SPACE`` (float32, as it computes
+    them) for "randaugment", "trivialaugment" (the wide ranges) or AutoAugment (RandAugment's ranges)."""
+    ra = kind != "trivialaugment"
+    bins = AUTOAUGMENT_BINS if kind == AUTOAUGMENT_CIFAR10 else BINS
 
     def span(ra_max: float, ta_max: float) -> tuple[float, ...]:
-        return tuple(torch.linspace(0.0, ra_max if ra else ta_max, BINS).tolist())
+        return tuple(torch.linspace(0.0, ra_max if ra else ta_max, bins).tolist())
 
-    bits = (8 - (torch.arange(BINS) / ((BINS - 1) / (4 if ra else 6)))).round().int()
+    bits = (8 - (torch.arange(bins) / ((bins - 1) / (4 if ra else 6)))).round().int()
     table = {"ShearX": span(0.3, 0.99), "ShearY": span(0.3, 0.99),
              "TranslateX": span(150.0 / 331.0 * width, 32.0), "TranslateY": span(150.0 / 331.0 * height, 32.0),
              "Rotate": span(30.0, 135.0), "Brightness": span(0.9, 0.99), "Color": span(0.9, 0.99),
              "Contrast": span(0.9, 0.99), "Sharpness": span(0.9, 0.99),
              "Posterize": tuple(float(b) for b in bits.tolist()),
-             "Solarize": tuple(torch.linspace(1.0, 0.0, BINS).tolist())}
+             "Solarize": tuple(torch.linspace(1.0, 0.0, bins).tolist())}
     return tuple(table.get(op) for op in OPS)
 
 
@@ -128,6 +140,7 @@ COLOUR_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "Solarize": lambda x, m: torch.where(x >= _col(m * 255), 255 - x, x),
     "AutoContrast": _autocontrast,
     "Equalize": lambda x, m: F.equalize(x),
+    "Invert": lambda x, m: 255 - x,
 }
 
 
@@ -181,27 +194,24 @@ class DeviceAugment:
         cfg = resolve_augment(augment)
         self.auto_augment, self.erase_p = cfg["auto_augment"], float(cfg["random_erasing"])
         self.mode = "nearest" if cfg["interpolation"] == "nearest" else "bilinear"  # as transforms._auto_augment
-        self.slots = {None: 0, "randaugment": RANDAUGMENT_OPS, "trivialaugment": 1}[self.auto_augment]
+        self.slots = SLOTS[self.auto_augment]
         self.active = self.slots > 0 or self.erase_p > 0
         self.normalize = BatchFinish(cfg)
 
     def draw(self, seeds: Sequence[int], height: int, width: int) -> dict[str, torch.Tensor]:
         """Sample k's choices from ``random.Random(seeds[k])``: ``op`` int64 [B, S] (index into
         ``OPS``), ``magnitude`` float32 [B, S] (signed), ``erase`` int64 [B, 4] (top, left, h, w;
-        zeros: none). Keys only for what is configured; S = 2 (RandAugment) or 1 (Trivial)."""
+        zeros: none). Keys only for what is configured; S = ``SLOTS[auto_augment]``."""
         if not self.active:
             return {}
         ops, mags, boxes = [], [], []
         table = magnitude_table(self.auto_augment, height, width) if self.slots else None
-        fixed_bin = RANDAUGMENT_BIN if self.auto_augment == "randaugment" else None
         for seed in seeds:
             rng = random.Random(seed)
-            for _ in range(self.slots):
-                k, m = rng.randrange(len(OPS)), 0.0
-                if table[k] is not None:
-                    m = table[k][rng.randrange(BINS) if fixed_bin is None else fixed_bin]
-                    if OPS[k] in SIGNED and rng.random() < 0.5:
-                        m = -m
+            for k, b in self._choices(rng, table):
+                m = 0.0 if b is None else table[k][b]
+                if b is not None and OPS[k] in SIGNED and rng.random() < 0.5:
+                    m = -m
                 ops.append(k)
                 mags.append(m)
             if self.erase_p > 0:
@@ -213,6 +223,21 @@ class DeviceAugment:
         if self.erase_p > 0:
             out["erase"] = torch.tensor(boxes, dtype=torch.int64).view(len(seeds), 4)
         return out
+
+    def _choices(self, rng: random.Random, table) -> Iterator[tuple[int, Optional[int]]]:
+        """One sample's (op, magnitude bin or None) per slot, as torchvision's transform draws them:
+        RandAugment any op at bin 9, TrivialAugmentWide any op at any bin, AutoAugment one of its
+        policy's sub-policies, each op applied with its probability (Identity where it is not)."""
+        if self.auto_augment == AUTOAUGMENT_CIFAR10:
+            for name, p, b in rng.choice(cifar10_policy()):
+                yield (OPS.index(name), b) if rng.random() <= p else (0, None)
+            return
+        for _ in range(self.slots):
+            k = rng.randrange(SAMPLED)
+            if table[k] is None:
+                yield k, None
+            else:
+                yield k, RANDAUGMENT_BIN if self.auto_augment == "randaugment" else rng.randrange(BINS)
 
     def on_host(self, images: torch.Tensor, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         """The loader worker's part: the auto-augment ops on its uint8 CPU batch. Returns the batch and

@@ -10,7 +10,7 @@ import random
 from typing import Any, Optional, Sequence
 
 import torch
-from torchvision.transforms import InterpolationMode
+from torchvision.transforms import AutoAugmentPolicy, InterpolationMode
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
@@ -24,7 +24,8 @@ AUGMENT_DEFAULTS: dict[str, Any] = {
     "random_erasing": 0.0,
     "interpolation": "bicubic",
 }
-AUTO_AUGMENTS = (None, "randaugment", "trivialaugment")
+AUTOAUGMENT_CIFAR10 = "autoaugment-cifar10"  # torchvision's AutoAugment with its CIFAR-10 policy
+AUTO_AUGMENTS = (None, "randaugment", "trivialaugment", AUTOAUGMENT_CIFAR10)
 INTERPOLATIONS = {  # what torchvision resizes uint8 tensors with (no "area"/box on tensors)
     "nearest": InterpolationMode.NEAREST,
     "bilinear": InterpolationMode.BILINEAR,
@@ -130,6 +131,8 @@ def _auto_augment(cfg: dict) -> list:
         return [v2.RandAugment(interpolation=interp)]
     if cfg["auto_augment"] == "trivialaugment":
         return [v2.TrivialAugmentWide(interpolation=interp)]
+    if cfg["auto_augment"] == AUTOAUGMENT_CIFAR10:
+        return [v2.AutoAugment(AutoAugmentPolicy.CIFAR10, interpolation=interp)]
     return []
 
 
