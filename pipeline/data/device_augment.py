@@ -38,13 +38,13 @@ SIGNED = frozenset(OPS[1:10])  # torchvision flips these ops' magnitude with pro
 BINS, RANDAUGMENT_OPS, RANDAUGMENT_BIN = 31, 2, 9  # torchvision's RandAugment defaults
 AUTOAUGMENT_BINS = 10  # torchvision's AutoAugment: its policies name one of 10 bins
 SLOTS = {None: 0, "randaugment": RANDAUGMENT_OPS, "trivialaugment": 1, AUTOAUGMENT_CIFAR10: 2}  # ops per sample
+ERASE_SCALE, ERASE_RATIO = (0.02, 0.33), (0.3, 3.3)  # torchvision's RandomErasing defaults
 
 
 @functools.cache
 def cifar10_policy() -> tuple:
     """torchvision's AutoAugment CIFAR-10 policy: 25 sub-policies of two (op, probability, bin or None)."""
     return tuple(AutoAugment(AutoAugmentPolicy.CIFAR10)._policies)
-ERASE_SCALE, ERASE_RATIO = (0.02, 0.33), (0.3, 3.3)  # torchvision's RandomErasing defaults
 
 
 @functools.lru_cache(maxsize=64)

@@ -4,9 +4,9 @@ Comparing recipes at equal wall-clock time, or proving one within a time limit, 
 length comes from the clock, yet a cosine schedule must know its length. The loop therefore fixes
 it once, at the end of the learning-rate warm-up (:func:`plan_epoch`), whose rates do not depend on
 the length, by the pace of the epochs after the first (which holds the compiles and first calls, the
-val path's too: ``worker.check_val_batch``), their evaluations and checkpoints included. So the run is exactly the run launched with ``epochs``
-set to the planned count: repeating it on other hardware means setting that (logged as
-``planned_epochs``) and dropping the budget.
+val path's too: ``worker.check_val_batch``), their evaluations and checkpoints included. So the run
+is exactly the run launched with ``epochs`` set to the planned count: repeating it on other hardware
+means setting that (logged as ``planned_epochs``) and dropping the budget.
 """
 from __future__ import annotations
 
