@@ -15,7 +15,6 @@ refused, exit 2), and runs on the CPU in full precision, as the stages do there.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import sys
 import time
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.config import ConfigError, TrainConfig, load_params  # noqa: E402
-from pipeline.data.transforms import AUTOAUGMENT_CIFAR10  # noqa: E402
+from pipeline.data.transforms import AUTO_AUGMENT_TRANSFORMS  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.optim import NO_DECAY_NAMES  # noqa: E402
@@ -56,9 +55,7 @@ def transforms(cfg: TrainConfig, aug: dict) -> tuple[v2.Compose, v2.Compose]:
              else v2.Resize((cfg.image_size, cfg.image_size), antialias=True),
              *([v2.RandomCrop(cfg.image_size, padding=pad)] if pad else []),
              v2.RandomHorizontalFlip(aug.get("hflip", 0.0))]
-    auto = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide,
-            AUTOAUGMENT_CIFAR10: functools.partial(v2.AutoAugment, v2.AutoAugmentPolicy.CIFAR10),
-            None: None}[aug.get("auto_augment")]
+    auto = AUTO_AUGMENT_TRANSFORMS.get(aug.get("auto_augment"))  # torchvision's, as the pipeline's
     if auto:  # the project's too: bilinear warps (nearest only with interpolation: nearest)
         train.append(auto(interpolation=v2.InterpolationMode.BILINEAR))
     erase = [v2.RandomErasing(aug["random_erasing"])] if aug.get("random_erasing") else []

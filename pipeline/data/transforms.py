@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torchvision.transforms import AutoAugmentPolicy, InterpolationMode
@@ -25,7 +25,12 @@ AUGMENT_DEFAULTS: dict[str, Any] = {
     "interpolation": "bicubic",
 }
 AUTOAUGMENT_CIFAR10 = "autoaugment-cifar10"  # torchvision's AutoAugment with its CIFAR-10 policy
-AUTO_AUGMENTS = (None, "randaugment", "trivialaugment", AUTOAUGMENT_CIFAR10)
+AUTO_AUGMENT_TRANSFORMS: dict[str, Callable[..., v2.Transform]] = {  # each choice: torchvision's (interpolation=)
+    "randaugment": v2.RandAugment,
+    "trivialaugment": v2.TrivialAugmentWide,
+    AUTOAUGMENT_CIFAR10: functools.partial(v2.AutoAugment, AutoAugmentPolicy.CIFAR10),
+}
+AUTO_AUGMENTS = (None, *AUTO_AUGMENT_TRANSFORMS)
 INTERPOLATIONS = {  # what torchvision resizes uint8 tensors with (no "area"/box on tensors)
     "nearest": InterpolationMode.NEAREST,
     "bilinear": InterpolationMode.BILINEAR,
@@ -127,13 +132,8 @@ def _auto_augment(cfg: dict) -> list:
     # tensor affine ops only do nearest/bilinear
     nearest = cfg["interpolation"] == "nearest"
     interp = InterpolationMode.NEAREST if nearest else InterpolationMode.BILINEAR
-    if cfg["auto_augment"] == "randaugment":
-        return [v2.RandAugment(interpolation=interp)]
-    if cfg["auto_augment"] == "trivialaugment":
-        return [v2.TrivialAugmentWide(interpolation=interp)]
-    if cfg["auto_augment"] == AUTOAUGMENT_CIFAR10:
-        return [v2.AutoAugment(AutoAugmentPolicy.CIFAR10, interpolation=interp)]
-    return []
+    make = AUTO_AUGMENT_TRANSFORMS.get(cfg["auto_augment"])
+    return [make(interpolation=interp)] if make else []
 
 
 def _interpolate(img: torch.Tensor, size: int, interp: InterpolationMode) -> torch.Tensor:
