@@ -275,6 +275,10 @@ def main() -> None:
     if args.compare_mode:
         twins[args.compare_mode] = twin(stepper, loop, compile=True, compile_mode=args.compare_mode)
     if args.compare_graph:
+        if loop.cuda_graph:
+            sys.exit(f"error: --compare-graph: {args.stage}.cuda_graph is already true in {args.recipe or args.params}; "
+                     f"compare against the plain step with --set {args.stage}.cuda_graph=false "
+                     f"--set {args.stage}.compile_mode=reduce-overhead")
         mode = "default" if loop.compile_mode in CUDAGRAPH_MODES else loop.compile_mode
         twins["cuda_graph"] = twin(stepper, loop, cuda_graph=True, compile_mode=mode)
     steps_needed = (args.rounds * (3 + len(twins)) * args.steps + 8 * (1 + len(twins))
@@ -283,7 +287,8 @@ def main() -> None:
     batches = iter(loader)
     got = measure(args, stepper, twins, batches, drain=loader.in_flight)
     peak_memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0  # before the FLOP count's step
-    uncompiled = twins.get("eager") or (twin(stepper, loop, compile=False) if loop.compile else stepper)
+    uncompiled = (twin(stepper, loop, compile=False, cuda_graph=False) if loop.compile or loop.cuda_graph
+                  else stepper)  # a fresh eager step: a replayed graph dispatches no ops to count
     report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v}, peak_memory,
            flops_per_image(uncompiled, *next(batches)))
     if args.profile:
@@ -296,7 +301,8 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
     alone, fed = median["model"], median["loop"]
     print(f"\n{args.stage} of {args.recipe or args.params} on {name}: {params.model.preset} "
           f"(patch {params.model.patch_size}, {loop.image_size} px), batch {loop.per_worker_batch}, amp {loop.amp}, "
-          f"compile {loop.compile}{f' ({loop.compile_mode})' if loop.compile else ''}, "
+          f"compile {loop.compile}{f' ({loop.compile_mode})' if loop.compile else ''}"
+          f"{', the whole step as one CUDA graph' if loop.cuda_graph else ''}, "
           f"{loop.loader_workers} loader workers, {args.steps} steps x {args.rounds} rounds")
     print(f"median model alone : {alone:9.0f} img/s")
     if "eager" in median:

@@ -98,10 +98,11 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
 
 
 def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
-    """The README's GPU command as written (``configs/cifar10-1gpu.yaml --cifar --cifar-tarball``) on a
-    CIFAR-shaped tarball of a few images, made CPU-sized with --set: the shards follow the recipe's
-    data section, both stages train (the pretrain within the recipe's time budget, planned at the end
-    of a warm-up shortened to 2 epochs) and the test split is scored."""
+    """The README's GPU command as written (``configs/cifar10-1gpu.yaml --cifar --stages pretrain``) on
+    a CIFAR-shaped tarball of a few images, made CPU-sized with --set: the shards follow the recipe's
+    data section, the pretrain alone trains (within the recipe's time budget, planned at the end of a
+    warm-up shortened to 2 epochs, its step as the recipe's one CUDA graph runs eagerly on a CPU) and
+    the test split scores its kept weights."""
     import tarfile
 
     from tests.data_helpers import make_imagefolder
@@ -116,18 +117,19 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
         "pretrain.epochs=3", "pretrain.warmup_epochs=2", "finetune.epochs=1", "pretrain.global_batch_size=16",
         "finetune.global_batch_size=16", "pretrain.compile=false", "finetune.compile=false")]
     out, shards = tmp_path / "tta.json", tmp_path / "work" / "cifar10-shards"
-    proc = run_as_on_gpu_box(SCRIPT, "--recipe", "configs/cifar10-1gpu.yaml", "--cifar", "--cifar-tarball",
-                             tarball, "--workdir", tmp_path / "work", *cpu_sized, "--out", out)
+    proc = run_as_on_gpu_box(SCRIPT, "--recipe", "configs/cifar10-1gpu.yaml", "--cifar", "--stages", "pretrain",
+                             "--cifar-tarball", tarball, "--workdir", tmp_path / "work", *cpu_sized, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = read_dataset_info(shards)
     assert info["classes"] == ["cat", "dog", "eel"] and info["counts"]["test"] == 90
     assert info["params"]["maxcount"] == 1000 and info["params"]["val_fraction"] == 0.02  # the recipe's data section
     report = json.loads(out.read_text())
     assert report["recipe"] == "configs/cifar10-1gpu.yaml" and report["test_images"] == 90
+    assert list(report["stages"]) == ["pretrain"] and report["model_dir"].startswith(str(tmp_path / "work" / "pretrain-"))
     budget = recipe_overrides(str(ROOT / "configs" / "cifar10-1gpu.yaml"))["pretrain.time_budget_minutes"]
     assert re.search(rf"\[pretrain\] time budget {budget:g} min: .* -> 3 epochs \(at most 3\)", proc.stdout), proc.stdout
-    assert TRAINED.findall(proc.stdout) == ["[pretrain] epoch 1/3 ", "[pretrain] epoch 2/3 ", "[pretrain] epoch 3/3 ",
-                                            "[finetune] epoch 1/1 "]
+    assert TRAINED.findall(proc.stdout) == ["[pretrain] epoch 1/3 ", "[pretrain] epoch 2/3 ", "[pretrain] epoch 3/3 "]
+    assert "cuda_graph: no GPU, the graph-safe step runs eagerly" in proc.stdout  # the recipe's cuda_graph: true
 
     # the README's feed-ratio command before it, on the same tarball: the same shards, its figures
     tp_shards = tmp_path / "tp-shards"
@@ -136,6 +138,13 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
                               "--steps", "1", "--rounds", "1", "--compare-eager")
     assert bench.returncode == 0, bench.stderr[-3000:]
     assert "feed ratio" in bench.stdout and "batch 16" in bench.stdout
+    assert "compile False, the whole step as one CUDA graph, 0 loader workers" in bench.stdout  # the recipe's step
+    twice = run_as_on_gpu_box("benchmarks/train_throughput.py", "--recipe", "configs/cifar10-1gpu.yaml", "--shards",
+                              tp_shards, *cpu_sized, "--compare-graph")
+    assert twice.returncode == 1 and "Traceback" not in twice.stderr
+    assert twice.stderr.strip() == ("error: --compare-graph: pretrain.cuda_graph is already true in "
+                                    "configs/cifar10-1gpu.yaml; compare against the plain step with --set "
+                                    "pretrain.cuda_graph=false --set pretrain.compile_mode=reduce-overhead")
     assert read_dataset_info(tp_shards)["shards"] == info["shards"]  # sharded as the recipe says, both ways
 
 
