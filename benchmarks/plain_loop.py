@@ -10,11 +10,13 @@ A gap beyond run-to-run noise points at the project's loop; none means the recip
 decides the accuracy. It covers crop, flip, RandAugment / TrivialAugmentWide, normalisation and
 random erasing per sample (torchvision's own transforms, where the project batches them on the
 device) and MixUp / CutMix per batch, not EMA or layer decay (a recipe that asks for them is
-refused, exit 2), and runs on the CPU in full precision, as the stages do there.
+refused, exit 2). It runs where the stages would: on a GPU when there is one (bf16 autocast unless
+``amp: off``, as the stages' ``auto``; eager, no CUDA graphs), else on the CPU in full precision.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -37,7 +39,7 @@ from pipeline.train.optim import NO_DECAY_NAMES  # noqa: E402
 def check_supported(cfg: TrainConfig) -> dict:
     """The recipe's augmentation, or ConfigError naming what this loop does not implement."""
     aug = dict(cfg.augment or {})
-    asked = {"ema_decay": cfg.ema_decay, "layer_decay": cfg.layer_decay}
+    asked = {"ema_decay": cfg.ema_decay, "layer_decay": cfg.layer_decay, "amp": cfg.amp == "fp16" and "fp16"}
     off = [f"pretrain.{k}={v!r}" for k, v in asked.items() if v]
     if off:
         raise ConfigError(f"the plain loop has no {', '.join(off)}; set them off (--set) to compare")
@@ -87,44 +89,57 @@ def optimiser(model: torch.nn.Module, cfg: TrainConfig, steps_per_epoch: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def autocast(device: torch.device, cfg: TrainConfig):
+    """bf16 on a GPU unless ``amp: off``; full precision on a CPU."""
+    on = device.type == "cuda" and cfg.amp != "off"
+    return torch.autocast("cuda", torch.bfloat16) if on else contextlib.nullcontext()
+
+
 @torch.no_grad()
-def test_top1(model: torch.nn.Module, data) -> float:
+def test_top1(model: torch.nn.Module, data, device: torch.device, cfg: TrainConfig, workers: int) -> float:
     model.eval()
-    correct = sum((model(x).argmax(-1) == y).sum().item() for x, y in torch.utils.data.DataLoader(data, 256))
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    for x, y in torch.utils.data.DataLoader(data, 256, num_workers=workers):
+        with autocast(device, cfg):
+            correct += (model(x.to(device)).argmax(-1) == y.to(device)).sum()
     model.train()
-    return correct / len(data)
+    return correct.item() / len(data)
 
 
-def train(cfg: TrainConfig, params, folder: Path, workers: int) -> float:
+def train(cfg: TrainConfig, params, folder: Path, workers: int, device: torch.device) -> float:
     train_tf, test_tf = transforms(cfg, check_supported(cfg))
     torch.manual_seed(cfg.seed)
     train_set = datasets.ImageFolder(folder / "train", train_tf)
     test_set = datasets.ImageFolder(folder / "test", test_tf)
     loader = torch.utils.data.DataLoader(train_set, cfg.global_batch_size, shuffle=True, drop_last=True,
-                                         num_workers=workers, persistent_workers=workers > 0)
-    model = build_model(params.model, image_size=cfg.image_size, num_classes=len(train_set.classes))
+                                         num_workers=workers, persistent_workers=workers > 0,
+                                         pin_memory=device.type == "cuda")
+    model = build_model(params.model, image_size=cfg.image_size, num_classes=len(train_set.classes)).to(device)
     opt, sched = optimiser(model, cfg, len(loader))
     mix = mixer(cfg, len(train_set.classes))
     start = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
-        loss_sum = correct = seen = 0
+        loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)  # one sync an epoch
         for x, y in loader:
             x, target = mix(x, y) if mix else (x, y)  # mixed: class probabilities
-            logits = model(x)
-            loss = F.cross_entropy(logits, target, label_smoothing=cfg.label_smoothing)
+            x, target, y = (t.to(device, non_blocking=True) for t in (x, target, y))
+            with autocast(device, cfg):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float(), target, label_smoothing=cfg.label_smoothing)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
             sched.step()
-            loss_sum += loss.item() * len(y)
-            correct += (logits.argmax(-1) == y).sum().item()
-            seen += len(y)
-        print(f"[plain] epoch {epoch}/{cfg.epochs} loss {loss_sum / seen:.4f} top1 {correct / seen:.4f} | "
-              f"{time.perf_counter() - start:.1f}s", flush=True)
-    top1 = test_top1(model, test_set)
-    print(f"[plain] test top-1 {top1:.4f} ({len(test_set)} images), {time.perf_counter() - start:.1f} s training")
+            loss_sum += loss.detach() * len(y)
+            correct += (logits.argmax(-1) == y).sum()
+        seen, elapsed = len(loader) * cfg.global_batch_size, time.perf_counter() - start
+        print(f"[plain] epoch {epoch}/{cfg.epochs} loss {loss_sum.item() / seen:.4f} top1 {correct.item() / seen:.4f} | "
+              f"{elapsed:.1f}s, {epoch * seen / elapsed:.0f} img/s", flush=True)
+    top1 = test_top1(model, test_set, device, cfg, workers)
+    print(f"[plain] test top-1 {top1:.4f} ({len(test_set)} images), {time.perf_counter() - start:.1f} s training "
+          f"on {device.type}")
     return top1
 
 
@@ -135,13 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key (repeatable)")
     ap.add_argument("--imagefolder", type=Path, required=True, help="a folder with train/<class>/ and test/<class>/")
     ap.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="default: cuda when there is a GPU")
     args = ap.parse_args(argv)
     try:
         params = load_params(args.params, overrides=recipe_overrides(args.recipe, args.set))
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device here (--device cpu)")
         for split in ("train", "test"):
             if not (args.imagefolder / split).is_dir():
                 raise ConfigError(f"{args.imagefolder / split}: no such folder (--imagefolder needs train/ and test/)")
-        train(params.pretrain, params, args.imagefolder, args.workers)
+        train(params.pretrain, params, args.imagefolder, args.workers, torch.device(args.device))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

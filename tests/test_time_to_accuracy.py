@@ -194,7 +194,11 @@ def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
     proc = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--workers", "0", *small)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.findall(r"^\[plain\] epoch (\d)/2 loss \d\.\d+ top1 [01]\.\d+ ", proc.stdout, re.M) == ["1", "2"]
-    assert re.search(r"^\[plain\] test top-1 [01]\.\d{4} \(36 images\)", proc.stdout, re.M)
+    assert re.search(r"^\[plain\] test top-1 [01]\.\d{4} \(36 images\), [\d.]+ s training on cpu$", proc.stdout, re.M)
+    assert re.search(r"^\[plain\] epoch 2/2 .* \| [\d.]+s, \d+ img/s$", proc.stdout, re.M)
+    if not torch.cuda.is_available():  # a GPU asked for where there is none: one line, as bad input
+        no_gpu = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--device", "cuda", *small)
+        assert no_gpu.returncode == 2 and no_gpu.stderr.strip() == "error: --device cuda: no CUDA device here (--device cpu)"
 
     refused = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--recipe",
                                 "configs/cifar10-1gpu.yaml")
