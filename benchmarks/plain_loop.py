@@ -96,12 +96,12 @@ def autocast(device: torch.device, cfg: TrainConfig):
 
 
 @torch.no_grad()
-def test_top1(model: torch.nn.Module, data, device: torch.device, cfg: TrainConfig, workers: int) -> float:
+def test_top1(model: torch.nn.Module, data, device: torch.device, workers: int) -> float:
+    """In full precision, as time_to_accuracy.py tests."""
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=device)
     for x, y in torch.utils.data.DataLoader(data, 256, num_workers=workers):
-        with autocast(device, cfg):
-            correct += (model(x.to(device)).argmax(-1) == y.to(device)).sum()
+        correct += (model(x.to(device)).argmax(-1) == y.to(device)).sum()
     model.train()
     return correct.item() / len(data)
 
@@ -137,7 +137,7 @@ def train(cfg: TrainConfig, params, folder: Path, workers: int, device: torch.de
         seen, elapsed = len(loader) * cfg.global_batch_size, time.perf_counter() - start
         print(f"[plain] epoch {epoch}/{cfg.epochs} loss {loss_sum.item() / seen:.4f} top1 {correct.item() / seen:.4f} | "
               f"{elapsed:.1f}s, {epoch * seen / elapsed:.0f} img/s", flush=True)
-    top1 = test_top1(model, test_set, device, cfg, workers)
+    top1 = test_top1(model, test_set, device, workers)
     print(f"[plain] test top-1 {top1:.4f} ({len(test_set)} images), {time.perf_counter() - start:.1f} s training "
           f"on {device.type}")
     return top1
