@@ -135,8 +135,8 @@ def train(cfg: TrainConfig, params, folder: Path, workers: int, device: torch.de
             loss_sum += loss.detach() * len(y)
             correct += (logits.argmax(-1) == y).sum()
         seen, elapsed = len(loader) * cfg.global_batch_size, time.perf_counter() - start
-        print(f"[plain] epoch {epoch}/{cfg.epochs} loss {loss_sum.item() / seen:.4f} top1 {correct.item() / seen:.4f} | "
-              f"{elapsed:.1f}s, {epoch * seen / elapsed:.0f} img/s", flush=True)
+        print(f"[plain] epoch {epoch}/{cfg.epochs} loss {loss_sum.item() / seen:.4f} "
+              f"top1 {correct.item() / seen:.4f} | {elapsed:.1f}s, {epoch * seen / elapsed:.0f} img/s", flush=True)
     top1 = test_top1(model, test_set, device, workers)
     print(f"[plain] test top-1 {top1:.4f} ({len(test_set)} images), {time.perf_counter() - start:.1f} s training "
           f"on {device.type}")

@@ -1,7 +1,8 @@
 """Time to accuracy: train a recipe's pretrain and finetune stages through the project's own loop,
 then measure the kept weights' top-1 on the test split.
 
-    python benchmarks/time_to_accuracy.py --recipe configs/cifar10-1gpu.yaml --cifar --max-minutes 9.5 --out tta.json
+    python benchmarks/time_to_accuracy.py --recipe configs/cifar10-1gpu.yaml --cifar --stages pretrain \
+        --max-minutes 9.2 --out tta.json
 
 The stages' own pieces run here (``plan_stage``, ``fit``, ``pretrain_start``, ``load_finetune_start``,
 ``stage_summary``) with ``ray.backend: local`` (one rank, in this process) and no MLflow run, so it

@@ -276,9 +276,9 @@ def main() -> None:
         twins[args.compare_mode] = twin(stepper, loop, compile=True, compile_mode=args.compare_mode)
     if args.compare_graph:
         if loop.cuda_graph:
-            sys.exit(f"error: --compare-graph: {args.stage}.cuda_graph is already true in {args.recipe or args.params}; "
-                     f"compare against the plain step with --set {args.stage}.cuda_graph=false "
-                     f"--set {args.stage}.compile_mode=reduce-overhead")
+            sys.exit(f"error: --compare-graph: {args.stage}.cuda_graph is already true in "
+                     f"{args.recipe or args.params}; compare against the plain step with "
+                     f"--set {args.stage}.cuda_graph=false --set {args.stage}.compile_mode=reduce-overhead")
         mode = "default" if loop.compile_mode in CUDAGRAPH_MODES else loop.compile_mode
         twins["cuda_graph"] = twin(stepper, loop, cuda_graph=True, compile_mode=mode)
     steps_needed = (args.rounds * (3 + len(twins)) * args.steps + 8 * (1 + len(twins))
