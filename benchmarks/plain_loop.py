@@ -16,7 +16,6 @@ refused, exit 2). It runs where the stages would: on a GPU when there is one (bf
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 import time
@@ -35,11 +34,12 @@ from pipeline.data.transforms import AUTO_AUGMENT_TRANSFORMS  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.optim import NO_DECAY_NAMES  # noqa: E402
+from pipeline.train.techniques import amp_dtype, autocast  # noqa: E402
 
 def check_supported(cfg: TrainConfig) -> dict:
     """The recipe's augmentation, or ConfigError naming what this loop does not implement."""
     aug = dict(cfg.augment or {})
-    asked = {"ema_decay": cfg.ema_decay, "layer_decay": cfg.layer_decay, "amp": cfg.amp == "fp16" and "fp16"}
+    asked = {"ema_decay": cfg.ema_decay, "layer_decay": cfg.layer_decay, "amp": "fp16" if cfg.amp == "fp16" else None}
     off = [f"pretrain.{k}={v!r}" for k, v in asked.items() if v]
     if off:
         raise ConfigError(f"the plain loop has no {', '.join(off)}; set them off (--set) to compare")
@@ -89,12 +89,6 @@ def optimiser(model: torch.nn.Module, cfg: TrainConfig, steps_per_epoch: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def autocast(device: torch.device, cfg: TrainConfig):
-    """bf16 on a GPU unless ``amp: off``; full precision on a CPU."""
-    on = device.type == "cuda" and cfg.amp != "off"
-    return torch.autocast("cuda", torch.bfloat16) if on else contextlib.nullcontext()
-
-
 @torch.no_grad()
 def test_top1(model: torch.nn.Module, data, device: torch.device, workers: int) -> float:
     """In full precision, as time_to_accuracy.py tests."""
@@ -117,13 +111,14 @@ def train(cfg: TrainConfig, params, folder: Path, workers: int, device: torch.de
     model = build_model(params.model, image_size=cfg.image_size, num_classes=len(train_set.classes)).to(device)
     opt, sched = optimiser(model, cfg, len(loader))
     mix = mixer(cfg, len(train_set.classes))
+    dtype = amp_dtype(cfg.amp, device) if device.type == "cuda" else None  # the stages' amp rule; fp32 on a CPU
     start = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
         loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)  # one sync an epoch
         for x, y in loader:
             x, target = mix(x, y) if mix else (x, y)  # mixed: class probabilities
             x, target, y = (t.to(device, non_blocking=True) for t in (x, target, y))
-            with autocast(device, cfg):
+            with autocast(device, dtype):
                 logits = model(x)
             loss = F.cross_entropy(logits.float(), target, label_smoothing=cfg.label_smoothing)
             opt.zero_grad(set_to_none=True)
