@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from pipeline import storage
 from pipeline.config import TRAINING_STAGES, ConfigError, Params, load_params
 from pipeline.signals import raise_on_signals, received
 from pipeline.utils import freeze_heap_at_exit
@@ -75,6 +76,8 @@ def _known_failure(exc: BaseException, stage: str = "") -> tuple[str, int] | Non
     """The one line and exit code for a problem the README's "When things go wrong" lists, else None."""
     if _out_of_memory(exc):
         return f"error: out of memory: {_smaller_step(str(exc), stage)}", EXIT_FAILED
+    if (problem := storage.access_problem(exc)) is not None:
+        return f"error: {problem}", EXIT_FAILED
     if isinstance(exc, ConfigError):
         return f"error: {exc}", EXIT_CONFIG
     if isinstance(exc, StageBusy):

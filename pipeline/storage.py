@@ -82,6 +82,39 @@ def file_hash(path) -> str:
         return "none"
 
 
+def _endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def access_problem(exc: BaseException) -> str | None:
+    """One line for an object store that we cannot sign in to or reach (botocore's errors, which s3fs
+    passes on as they are), naming what to set; None for any other error."""
+    errors = sys.modules.get("botocore.exceptions")  # not imported here: whatever raised it has loaded it
+    if errors is None:
+        return None
+    if isinstance(exc, (errors.NoCredentialsError, errors.PartialCredentialsError, errors.CredentialRetrievalError)):
+        return (f"object storage: {exc}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
+                f"or run where an instance role applies")
+    if isinstance(exc, (errors.EndpointConnectionError, errors.ConnectTimeoutError)):
+        return (f"object storage: {exc}: check AWS_ENDPOINT_URL ({_endpoint() or 'not set: AWS S3'}) and that "
+                f"the server is up")
+    return None
+
+
+def check_ray_storage(storage_path: Optional[str]) -> None:
+    """Before Ray starts, for an ``s3://`` ``ray.storage_path``: Ray Train's controller creates the path in
+    the bucket, and a bucket that is missing or out of reach would end the run in Ray's traceback of its
+    controller actor."""
+    path, fs = ray_storage(storage_path)
+    if fs is None:
+        return
+    try:
+        fs.create_dir(path)
+    except OSError as exc:
+        raise OSError(f"ray.storage_path {storage_path}: {exc} (AWS_ENDPOINT_URL: "
+                      f"{_endpoint() or 'not set: AWS S3'})") from None
+
+
 def filesystem(url: str):
     """``(fsspec filesystem, path without scheme)`` for ``url`` (``s3://``, ``memory://``, local)."""
     import fsspec
@@ -120,7 +153,7 @@ def ray_storage(storage_path: Optional[str], default: str = ".ray_results"):
     from pyarrow import fs as pafs
 
     kwargs = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = _endpoint()
     if endpoint:
         kwargs["endpoint_override"] = endpoint
         if endpoint.startswith("http://"):
@@ -243,6 +276,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m pipeline.stora
             print("\n".join(names))
     except (FileNotFoundError, PermissionError, ValueError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        if (problem := access_problem(exc)) is None:
+            raise
+        print(f"error: {problem}", file=sys.stderr)
         return 1
     return 0
 

@@ -206,3 +206,38 @@ def test_stage_streams_shards_from_bucket(s3_server, mlflow_server, env_factory,
     assert not (repo / "data").exists(), "shards were copied locally instead of streamed"
     meta = json.loads((repo / "models/pretrain/config.json").read_text())
     assert any(k.startswith(f"t3/ray/{meta['ray_run']}/checkpoint_") for k in s3_server.keys("t3/ray/"))
+
+
+def test_object_store_out_of_reach_is_one_line(s3_server, mlflow_server, env_factory, port_factory, local_shards,
+                                               tmp_path):
+    """No credentials, an endpoint where no server listens, a `ray.storage_path` bucket that does not exist:
+    `vit-pipeline storage` and the stage end in one line naming what to set, exit 1, nothing written
+    (before: botocore's traceback, or Ray's of its controller actor)."""
+    shards_url = f"s3://{s3_server.bucket}/t4/shards"
+    storage.upload_dir(local_shards, f"{shards_url}/pretrain")
+    repo = _copy_repo(tmp_path / "repo", storage_path="s3://no-such-bucket/ray")
+    shutil.copytree(local_shards, repo / "data/shards/pretrain")
+    signed_in = env_factory(**s3_server.env, VIT_PARAMS="params.s3.yaml", MLFLOW_TRACKING_URI=mlflow_server.url)
+    signed_out = {k: v for k, v in signed_in.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    signed_out.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
+    nobody = f"http://127.0.0.1:{port_factory()}"
+
+    def last_line(argv: list[str], env: dict[str, str]) -> str:
+        out = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]
+        return out.stderr.strip().splitlines()[-1]
+
+    no_credentials = ("error: object storage: Unable to locate credentials: set AWS_ACCESS_KEY_ID and "
+                      "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an instance role applies")
+    ls = ["python", "-m", "pipeline.storage", "ls", shards_url]
+    assert last_line(ls, signed_out) == no_credentials
+    line = last_line(ls, {**signed_in, "AWS_ENDPOINT_URL": nobody})
+    assert line.startswith("error: object storage: Could not connect to the endpoint URL") and (
+        line.endswith(f"check AWS_ENDPOINT_URL ({nobody}) and that the server is up")), line
+
+    stage = ["python", "-m", "stages.pretrain"]
+    assert last_line(stage, {**signed_out, "VIT_SHARDS_URL": shards_url}) == no_credentials
+    line = last_line(stage, signed_in)  # local shards; checkpoints into a bucket that is not there
+    assert line.startswith("error: ray.storage_path s3://no-such-bucket/ray: Bucket 'no-such-bucket' not found") and (
+        line.endswith(f"(AWS_ENDPOINT_URL: {s3_server.endpoint})")), line
+    assert not (repo / "models/pretrain").exists() and not (repo / "metrics/pretrain.json").exists()

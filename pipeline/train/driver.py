@@ -134,6 +134,7 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     ``step_hooks`` (``module:function[=argument]``) are called with ``$VIT_STEP_HOOKS``'s."""
     from pipeline.tracking import resolve_tracking_uri
 
+    storage.check_ray_storage(params.ray.storage_path)
     storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
     remote = storage_fs is not None or storage.is_url(storage_path)
     run_dir = None if remote else str(Path(storage_path) / spec.run_name)
