@@ -182,6 +182,8 @@ def upload_dir(local: str | os.PathLike, url: str, *, delete: bool = True) -> li
     fs, root = filesystem(url)
     rels = [r for r in _local_files(local) if not any(part.startswith(".") for part in Path(r).parts)]
     for rel in rels:
+        if not is_url(url):  # a shared folder: object stores need no parent folders, a file system does
+            Path(root, rel).parent.mkdir(parents=True, exist_ok=True)
         fs.put_file(str(local / rel), f"{root.rstrip('/')}/{rel}")
     if delete:
         keep = {f"{root.rstrip('/')}/{r}" for r in rels}

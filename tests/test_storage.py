@@ -50,6 +50,18 @@ def test_cli_bad_location_is_one_line(tmp_path, capsys, argv, needle):
     assert not (tmp_path / "y").exists()
 
 
+def test_push_and_pull_a_shared_folder(local_shards, tmp_path):
+    """A shared file system path (NFS, a mounted volume) in place of a URL: push creates the folders it
+    needs (before: FileNotFoundError on the first file) and mirrors, pull copies back."""
+    dest = tmp_path / "shared/ws/shards/pretrain"
+    assert storage.main(["push", str(local_shards), str(dest)]) == 0
+    (dest / "stale.tar").write_text("not in the local folder")
+    assert storage.main(["push", str(local_shards), str(dest)]) == 0
+    assert _tree(dest) == _tree(local_shards)
+    assert storage.main(["pull", str(dest), str(tmp_path / "back")]) == 0
+    assert _tree(tmp_path / "back") == _tree(local_shards)
+
+
 def test_shards_url_with_unusable_scheme_names_the_variable(monkeypatch):
     monkeypatch.setenv(storage.SHARDS_URL_ENV, "gs://bucket/ws")
     with pytest.raises(ValueError, match=r"^\$VIT_SHARDS_URL: gs://bucket/ws: cannot open this URL"):
@@ -177,19 +189,6 @@ def test_job_shards_to_bucket_trains_checkpoints_and_resumes(s3_server, mlflow_s
     assert len(ml.get_metric_history(runs[0].info.run_id, "val_top1")) == 2
 
 
-def _streaming_supported() -> bool:
-    """True once the stages take shard dirs from pipeline.storage (the call sites in the report)."""
-    import inspect
-
-    import pipeline.train.driver as driver
-    import pipeline.training as training
-
-    return "storage.shard_dir" in inspect.getsource(training) and "worker_path" in inspect.getsource(driver)
-
-
-@pytest.mark.xfail(not _streaming_supported(), strict=True,
-                   reason="pipeline/training.py still reads SHARDS/<name> and driver.py resolves shard_dir "
-                          "as a local path: add the pipeline.storage call sites (VIT_SHARDS_URL)")
 def test_stage_streams_shards_from_bucket(s3_server, mlflow_server, env_factory, local_shards, tmp_path):
     """With VIT_SHARDS_URL the stage and its Ray workers read the tars from the bucket: no local copy."""
     storage.upload_dir(local_shards, f"s3://{s3_server.bucket}/t3/shards/pretrain")
