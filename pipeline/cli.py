@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import inspect
 import logging
 import os
 import signal
@@ -50,6 +51,7 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
     """Load ``params.yaml`` (or ``$VIT_PARAMS``), call ``fn(params, *args)`` under the lock ``name``
     (default: the function's name), exit non-zero with one line on error."""
     raise_on_signals()
+    _check_arguments(fn, args, name or fn.__name__)
     path = os.environ.get("VIT_PARAMS", "params.yaml")
     # keep the console to progress lines: MLflow sets its logger's level when it is imported (later,
     # in the stage and its Ray workers) from MLFLOW_LOGGING_LEVEL, INFO unless set
@@ -70,6 +72,17 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
         if known is None:
             raise  # a bug: the traceback is what its reader needs
         _fail(*known)
+
+
+def _check_arguments(fn: Callable[..., object], args: tuple[str, ...], label: str) -> None:
+    """A stage's command-line arguments fit its function (``fn(params, *args)``); stray ones are an error,
+    not silently ignored."""
+    try:
+        inspect.signature(fn).bind(None, *args)
+    except TypeError:
+        n = len(inspect.signature(fn).parameters) - 1
+        _fail(f"error: stage {label} takes {f'at most {n} argument(s)' if n else 'no arguments'}, got: "
+              f"{' '.join(args)}", EXIT_CONFIG)
 
 
 def _known_failure(exc: BaseException, stage: str = "") -> tuple[str, int] | None:

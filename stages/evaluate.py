@@ -4,8 +4,10 @@ Reads params `evaluate`, `finetune.interpolation`, `ray`, models/finetune/, data
 plots/*_history.csv; writes metrics/evaluate.json, plots/ (confusion.csv, per_class.csv, curves.png,
 confusion.png, attention.png) and an MLflow run.
 """
+import sys
+
 from pipeline.cli import run_stage
 from pipeline.evaluate import evaluate
 
 if __name__ == "__main__":
-    run_stage(evaluate)
+    run_stage(evaluate, *sys.argv[1:])

@@ -4,8 +4,10 @@ Reads params `export`, models/finetune/ and test images from data/shards/finetun
 (model.safetensors, model.torchscript.pt, model.onnx, config.json), metrics/export.json, an MLflow
 run and a new version of the registered model `export.registered_model_name`.
 """
+import sys
+
 from pipeline.cli import run_stage
 from pipeline.export import export
 
 if __name__ == "__main__":
-    run_stage(export)
+    run_stage(export, *sys.argv[1:])

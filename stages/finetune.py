@@ -4,8 +4,10 @@ Reads params `model`, `finetune`, `ray`, `mlflow`, models/pretrain/ (or `finetun
 data/shards/finetune/; writes models/finetune/, metrics/finetune.json, plots/finetune_history.csv,
 plots/finetune_curves.png, Ray checkpoints and an MLflow run.
 """
+import sys
+
 from pipeline.cli import run_stage
 from pipeline.training import finetune
 
 if __name__ == "__main__":
-    run_stage(finetune)
+    run_stage(finetune, *sys.argv[1:])

@@ -61,6 +61,21 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["-m", "stages.evaluate", "extra"], "error: stage evaluate takes no arguments, got: extra"),
+    (["-m", "pipeline", "stage", "export", "--force"], "error: stage export takes no arguments, got: --force"),
+    (["-m", "stages.shard", "pretrain", "finetune"],
+     "error: stage shard-pretrain-finetune takes at most 1 argument(s), got: pretrain finetune"),
+])
+def test_stray_stage_arguments_are_refused(tmp_path, argv, line):
+    """A stage given arguments it does not take stops in one line, exit 2, before reading params.yaml or
+    taking its lock (before: evaluate and the others ignored them and ran)."""
+    out = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", line + "\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_second_instance_is_refused_and_sigterm_stops_cleanly(repo):
     """A second identical stage fails fast (exit 3); SIGTERM ends the first with one line, exit 143,
