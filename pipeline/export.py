@@ -1,6 +1,9 @@
 """The export stage: safetensors, TorchScript and ONNX, each reloaded and checked against PyTorch."""
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 import warnings
 from pathlib import Path
 
@@ -66,6 +69,22 @@ def _compare(reference: torch.Tensor, other: np.ndarray | torch.Tensor) -> dict[
             "top1_agreement": (reference.argmax(1) == other.argmax(1)).float().mean().item()}
 
 
+# What MLflow prints to stderr when it registers a version; the stage's own line names the version.
+REGISTRY_CHATTER = ("Successfully registered model ", "Registered model ", "Created version ")
+
+
+@contextlib.contextmanager
+def _without_lines(prefixes: tuple[str, ...]):
+    """stderr passes through, less the lines that start with ``prefixes`` (held until the block ends)."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        sys.stderr.write("".join(line for line in held.getvalue().splitlines(keepends=True)
+                                 if not line.startswith(prefixes)))
+
+
 def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: torch.Tensor, name: str,
                       run, meta: dict) -> dict:
     """Log the model (pyfunc-servable, with signature and input example), register a new version and
@@ -75,9 +94,10 @@ def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: tor
     from mlflow.models import infer_signature
 
     signature = infer_signature(images[:4].numpy(), logits[:4].numpy())
-    info = mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=images[:2].numpy(),
-                                    registered_model_name=name, code_paths=[PACKAGE_DIR],
-                                    pip_requirements=[f"{p}=={metadata.version(p)}" for p in SERVING_PACKAGES])
+    with _without_lines(REGISTRY_CHATTER):
+        info = mlflow.pytorch.log_model(model, name="model", signature=signature, input_example=images[:2].numpy(),
+                                        registered_model_name=name, code_paths=[PACKAGE_DIR],
+                                        pip_requirements=[f"{p}=={metadata.version(p)}" for p in SERVING_PACKAGES])
     version = int(info.registered_model_version)
     record_version(mlflow.MlflowClient(), run, name, version, meta)
     return {"name": name, "version": version, "uri": f"models:/{name}/{version}"}

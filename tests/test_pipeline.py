@@ -80,6 +80,8 @@ def test_outputs_and_metrics(repro):
     assert len(history) == 1 + 2  # header + 2 epochs
     assert "epoch 2/2" in proc.stdout and "img/s" in proc.stdout and "ETA" in proc.stdout
     assert f"[export] MLflow runs: mlflow ui --backend-store-uri sqlite:///{repo}/mlflow.db" in proc.stdout
+    assert "registered models:/vit-pipeline/1" in proc.stdout  # the stage's line, without MLflow's two:
+    assert "Successfully registered model" not in proc.stderr and "Created version" not in proc.stderr
 
 
 def test_mlflow_runs(repro):
