@@ -334,10 +334,11 @@ def _check_data(key: str, d: DataConfig) -> None:
 
 def _check_model(p: Params) -> None:
     """The architecture, and every resolution the model will see divisible by its patch size."""
-    from pipeline.model.config import PRESETS, check_divisible, check_heads
+    from pipeline.model.build import section_config
+    from pipeline.model.config import POOLS, PRESETS, check_divisible, check_heads
 
     _choice("model.preset", p.model.preset, tuple(PRESETS))
-    _choice("model.pool", p.model.pool, ("cls", "mean"))
+    _choice("model.pool", p.model.pool, POOLS)
     _positive("model.patch_size", p.model.patch_size)
     arch = {**PRESETS[p.model.preset], **p.model.overrides()}
     for k in ("embed_dim", "depth", "num_heads"):
@@ -349,6 +350,10 @@ def _check_model(p: Params) -> None:
     _model_check(check_divisible, p.finetune.image_size, p.finetune_patch_size, "finetune.image_size", ft_patch_key)
     for i, r in enumerate(p.evaluate.resolutions):
         _model_check(check_divisible, r, p.finetune_patch_size, f"evaluate.resolutions[{i}]", ft_patch_key)
+    try:  # the rest of the model's own checks (drop_path_rate, mlp_ratio, ...), named as params keys
+        section_config(p.model, image_size=p.pretrain.image_size, num_classes=0)
+    except ValueError as exc:
+        raise ConfigError(f"model.{exc}") from None
     _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, INTERP_MODES)
     _choice("finetune.init_source", p.finetune.init_source, INIT_SOURCES)
     _choice("finetune.head", p.finetune.head, HEADS)

@@ -10,7 +10,7 @@ from .vit import VisionTransformer
 if TYPE_CHECKING:  # the params section; the model package itself does not depend on pipeline.config
     from pipeline.config import ModelConfig
 
-__all__ = ["build_model", "build_vit", "make_config"]
+__all__ = ["build_model", "build_vit", "make_config", "section_config"]
 
 
 def make_config(
@@ -49,12 +49,18 @@ def build_vit(preset: str, **kwargs) -> VisionTransformer:
     return VisionTransformer(make_config(preset, **kwargs))
 
 
-def build_model(model: "ModelConfig", *, image_size, num_classes: int, patch_size=None) -> VisionTransformer:
+def section_config(model: "ModelConfig", *, image_size, num_classes: int, patch_size=None) -> ViTConfig:
     """params.yaml's ``model`` section at one geometry (``patch_size``: ``model.patch_size`` if None).
 
-    The one place the stages and the benchmarks turn the section into a network, so a new
-    ``model.*`` key is wired once.
+    The one place the section becomes a :class:`ViTConfig` (the stages and benchmarks build from it,
+    ``pipeline.config.validate`` checks with it), so a new ``model.*`` key is wired once.
     """
-    return build_vit(model.preset, patch_size=patch_size or model.patch_size, image_size=image_size,
-                     num_classes=num_classes, pool=model.pool, drop_path_rate=model.drop_path_rate,
-                     **model.overrides())
+    return make_config(model.preset, patch_size=patch_size or model.patch_size, image_size=image_size,
+                       num_classes=num_classes, pool=model.pool, drop_path_rate=model.drop_path_rate,
+                       **model.overrides())
+
+
+def build_model(model: "ModelConfig", *, image_size, num_classes: int, patch_size=None) -> VisionTransformer:
+    """The network of :func:`section_config`."""
+    return VisionTransformer(section_config(model, image_size=image_size, num_classes=num_classes,
+                                            patch_size=patch_size))
