@@ -157,6 +157,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="timed train rounds per case (infer: 2x); "
                     "default: CASES' figure. More rounds narrow the median on a noisy machine")
     args = ap.parse_args()
+    unknown = sorted(set(args.cases.split(",")) - {case[0] for case in CASES})
+    if unknown:
+        ap.error(f"--cases: {', '.join(unknown)} not among {', '.join(case[0] for case in CASES)}")
     torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures only the calling thread: use it with --threads 1")

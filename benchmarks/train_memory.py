@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.config import TrainConfig  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
-from pipeline.model import build_vit  # noqa: E402
+from pipeline.model import PRESETS, build_vit  # noqa: E402
 from pipeline.train.loop_config import LoopConfig  # noqa: E402
 from pipeline.train.step import Stepper  # noqa: E402
 
@@ -94,7 +94,7 @@ def measure(stepper: Stepper, images, labels, steps: int, memory: PeakMemory) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--patch-size", type=int, default=16)
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--batch", type=int, default=32)
@@ -105,7 +105,10 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = build_vit(args.preset, patch_size=args.patch_size, image_size=args.image_size, num_classes=args.classes)
+    try:
+        model = build_vit(args.preset, patch_size=args.patch_size, image_size=args.image_size, num_classes=args.classes)
+    except ValueError as exc:  # a geometry the model refuses: its message names the sizes that would work
+        ap.error(str(exc))
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
     labels = torch.randint(0, args.classes, (args.batch,), device=device)
     steppers = {mode: make_stepper(model, args.batch, args.image_size, mode, device) for mode in (False, True)}

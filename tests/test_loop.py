@@ -142,6 +142,18 @@ def test_grad_checkpointing_step_equals_the_plain_step():
         assert torch.equal(ck[k], plain[k]), k
 
 
+@pytest.mark.parametrize("args, line", [
+    (("--preset", "nope"), "train_memory.py: error: argument --preset: invalid choice: 'nope' (choose from 'base',"),
+    (("--preset", "nano", "--patch-size", "5"), "train_memory.py: error: image_size[0]: 224 is not divisible by "
+                                                "patch_size[0]=5 (nearest valid sizes: 220 or 225)"),
+])
+def test_train_memory_benchmark_refuses_a_model_it_cannot_build(args, line):
+    """A preset or geometry the model refuses: argparse's usage line and exit 2 (before: a traceback)."""
+    proc = run_as_on_gpu_box("benchmarks/train_memory.py", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr
+
+
 def test_train_memory_benchmark_runs_on_cpu():
     """The README's activation-memory benchmark, shortened: both sides measured and compared."""
     proc = run_as_on_gpu_box("benchmarks/train_memory.py", "--preset", "nano", "--patch-size", "4",

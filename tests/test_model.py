@@ -521,6 +521,16 @@ def test_finetune_keeps_the_head_only_for_the_pretrained_classes(tmp_path, capsy
         load_params(root / "params.yaml", overrides={"finetune.head": "keep"})
 
 
+def test_speed_benchmark_refuses_an_unknown_case():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "benchmarks/model_speed.py", "--cases", "nano,foo"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == "model_speed.py: error: --cases: foo not among nano, tiny"
+
+
 def test_speed_benchmark_against_timm_runs():
     """``benchmarks/model_speed.py`` (the README's figures against timm), shrunk to the nano case, with
     its noise control and kernel breakdown: both modes timed for ours, timm and the copy, same logits."""
