@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -227,6 +228,12 @@ def worker_counts(value: str) -> list[int]:
     return counts
 
 
+def refuse(message: str) -> NoReturn:
+    """Bad input: one line and exit 2, as time_to_accuracy.py and plain_loop.py."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
@@ -262,7 +269,7 @@ def main() -> None:
             shard_dir = cifar_shards(args.shards, getattr(params.data, args.stage), args.cifar_tarball)
         info = read_dataset_info(shard_dir)
     except (ConfigError, OSError) as exc:  # bad params, no tarball, no shards: one line
-        sys.exit(f"error: {exc}")
+        refuse(str(exc))
     cfg = getattr(params, args.stage)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)
@@ -276,9 +283,9 @@ def main() -> None:
         twins[args.compare_mode] = twin(stepper, loop, compile=True, compile_mode=args.compare_mode)
     if args.compare_graph:
         if loop.cuda_graph:
-            sys.exit(f"error: --compare-graph: {args.stage}.cuda_graph is already true in "
-                     f"{args.recipe or args.params}; compare against the plain step with "
-                     f"--set {args.stage}.cuda_graph=false --set {args.stage}.compile_mode=reduce-overhead")
+            refuse(f"--compare-graph: {args.stage}.cuda_graph is already true in {args.recipe or args.params}; "
+                   f"compare against the plain step with --set {args.stage}.cuda_graph=false "
+                   f"--set {args.stage}.compile_mode=reduce-overhead")
         mode = "default" if loop.compile_mode in CUDAGRAPH_MODES else loop.compile_mode
         twins["cuda_graph"] = twin(stepper, loop, cuda_graph=True, compile_mode=mode)
     steps_needed = (args.rounds * (3 + len(twins)) * args.steps + 8 * (1 + len(twins))

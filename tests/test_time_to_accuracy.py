@@ -141,7 +141,7 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     assert "compile False, the whole step as one CUDA graph, 0 loader workers" in bench.stdout  # the recipe's step
     twice = run_as_on_gpu_box("benchmarks/train_throughput.py", "--recipe", "configs/cifar10-1gpu.yaml", "--shards",
                               tp_shards, *cpu_sized, "--compare-graph")
-    assert twice.returncode == 1 and "Traceback" not in twice.stderr
+    assert twice.returncode == 2 and "Traceback" not in twice.stderr
     assert twice.stderr.strip() == ("error: --compare-graph: pretrain.cuda_graph is already true in "
                                     "configs/cifar10-1gpu.yaml; compare against the plain step with --set "
                                     "pretrain.cuda_graph=false --set pretrain.compile_mode=reduce-overhead")
