@@ -86,6 +86,10 @@ def _endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
 
+def _endpoint_named() -> str:
+    return _endpoint() or "not set: AWS S3"
+
+
 def access_problem(exc: BaseException) -> str | None:
     """One line for an object store that we cannot sign in to or reach (botocore's errors, which s3fs
     passes on as they are), naming what to set; None for any other error."""
@@ -96,8 +100,7 @@ def access_problem(exc: BaseException) -> str | None:
         return (f"object storage: {exc}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
                 f"or run where an instance role applies")
     if isinstance(exc, (errors.EndpointConnectionError, errors.ConnectTimeoutError)):
-        return (f"object storage: {exc}: check AWS_ENDPOINT_URL ({_endpoint() or 'not set: AWS S3'}) and that "
-                f"the server is up")
+        return f"object storage: {exc}: check AWS_ENDPOINT_URL ({_endpoint_named()}) and that the server is up"
     return None
 
 
@@ -111,8 +114,7 @@ def check_ray_storage(storage_path: Optional[str]) -> None:
     try:
         fs.create_dir(path)
     except OSError as exc:
-        raise OSError(f"ray.storage_path {storage_path}: {exc} (AWS_ENDPOINT_URL: "
-                      f"{_endpoint() or 'not set: AWS S3'})") from None
+        raise OSError(f"ray.storage_path {storage_path}: {exc} (AWS_ENDPOINT_URL: {_endpoint_named()})") from None
 
 
 def filesystem(url: str):
