@@ -13,6 +13,9 @@ from pipeline.data.loader import MAX_PARCEL, parcel_steps
 from pipeline.data.tario import TarFormatError
 from tests.data_helpers import all_keys, make_imagefolder, tar_keys
 
+# The worker counts here are the point (3 or 5 loader processes on a 2-core machine): torch's advice to
+# use fewer is not a finding.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 AUG_ALL_RANDOM = {"random_resized_crop": [0.3, 1.0], "hflip": 0.5, "random_erasing": 0.5,
                   "auto_augment": "trivialaugment", "interpolation": "bilinear"}
