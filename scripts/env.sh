@@ -34,7 +34,7 @@ if [ ! -f "$stamp" ] || ! grep -qx "$want" "$stamp" 2>/dev/null; then
   "$VENV/bin/python" -m pip install --quiet --upgrade pip -c "$ROOT/constraints.txt" >&2
   "$VENV/bin/python" -m pip install --quiet -r "$REQ" -c "$ROOT/constraints.txt" >&2
   # The project: editable, no dependencies (the lock above has them), built with the lock's setuptools,
-  # without setuptools' informational "Editable installation" banner (a dozen lines on every first run).
+  # without setuptools' informational "Editable installation" banner (about ten lines on every first run).
   PYTHONWARNINGS="ignore:Editable installation" \
     "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" >&2
   # A test env satisfies the runtime one too; record what was installed.
