@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_report_benchmark_runs_both_intervals_and_ranks_see_them(env_factory):
-    """The README's benchmark, shortened: two real 2-rank Ray Train runs, one with Ray's default
+    """docs/training.md's benchmark, shortened: two real 2-rank Ray Train runs, one with Ray's default
     interval and one with the stages' (set by ``init_ray``), each passed on by Ray to the ranks."""
     from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S
 

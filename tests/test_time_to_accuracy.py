@@ -182,7 +182,7 @@ def test_cifar_extraction_is_all_or_nothing(tmp_path):
 
 def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
     """benchmarks/plain_loop.py: the recipe (RandAugment, erasing, MixUp / CutMix included) trained without the
-    pipeline's loop (README's check that the loop is not what limits accuracy), on a GPU box's packages; a
+    pipeline's loop (docs/gpu.md's check that the loop is not what limits accuracy), on a GPU box's packages; a
     recipe it cannot follow (EMA), or a folder without test/, is one line and exit 2."""
     from tests.data_helpers import make_imagefolder
 

@@ -1,0 +1,46 @@
+"""The docs' own links: every relative link in README.md, infra/README.md and docs/*.md names a file
+that exists, and every #anchor a heading of that file (GitHub's heading slugs)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+DOCS = [ROOT / "README.md", ROOT / "infra/README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, each space a hyphen."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # a '#' line in a code block is no heading
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_slug_is_githubs():
+    assert slug("Training (`pretrain`, `finetune`)") == "training-pretrain-finetune"
+    assert slug("Training: input-path throughput (CPU, H100, H200)") == "training-input-path-throughput-cpu-h100-h200"
+    assert slug("Is it the loop?") == "is-it-the-loop"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc):
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # http(s):, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (doc.parent / file).resolve() if file else doc
+        if not dest.exists():
+            broken.append(f"{target}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not broken, "\n".join(broken)
