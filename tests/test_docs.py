@@ -19,9 +19,13 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+def prose(path: Path) -> str:
+    """The file without its code blocks: a '#' line there is no heading, a ``](`` no link."""
+    return re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+
+
 def anchors(path: Path) -> set[str]:
-    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # a '#' line in a code block is no heading
-    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)}
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", prose(path), flags=re.M)}
 
 
 def test_slug_is_githubs():
@@ -32,9 +36,8 @@ def test_slug_is_githubs():
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(doc):
-    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
     broken = []
-    for target in LINK.findall(text):
+    for target in LINK.findall(prose(doc)):
         if re.match(r"[a-z]+:", target):  # http(s):, mailto:
             continue
         file, _, anchor = target.partition("#")
