@@ -2,6 +2,7 @@
 that exists, and every #anchor a heading of that file (GitHub's heading slugs)."""
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -24,6 +25,7 @@ def prose(path: Path) -> str:
     return re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
 
 
+@functools.cache  # a doc links to the same file many times
 def anchors(path: Path) -> set[str]:
     return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", prose(path), flags=re.M)}
 
