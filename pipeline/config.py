@@ -76,6 +76,7 @@ class ModelConfig:
     patch_size: int = 4
     pool: str = "cls"
     drop_path_rate: float = 0.0
+    weight_init: str = "timm"
     embed_dim: Optional[int] = None
     depth: Optional[int] = None
     num_heads: Optional[int] = None
@@ -335,10 +336,11 @@ def _check_data(key: str, d: DataConfig) -> None:
 def _check_model(p: Params) -> None:
     """The architecture, and every resolution the model will see divisible by its patch size."""
     from pipeline.model.build import section_config
-    from pipeline.model.config import POOLS, PRESETS, check_divisible, check_heads
+    from pipeline.model.config import POOLS, PRESETS, WEIGHT_INITS, check_divisible, check_heads
 
     _choice("model.preset", p.model.preset, tuple(PRESETS))
     _choice("model.pool", p.model.pool, POOLS)
+    _choice("model.weight_init", p.model.weight_init, WEIGHT_INITS)
     _positive("model.patch_size", p.model.patch_size)
     arch = {**PRESETS[p.model.preset], **p.model.overrides()}
     for k in ("embed_dim", "depth", "num_heads"):

@@ -1,6 +1,7 @@
 """Tests for pipeline.model: shapes, parameter parity with timm, resampling, I/O, conversion."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -76,6 +77,11 @@ def test_build_model_reads_the_params_model_section():
     section = ModelConfig(preset="nano", patch_size=4, pool="mean", drop_path_rate=0.1, depth=2)
     model = build_model(section, image_size=16, num_classes=3)
     assert model.config == nano(pool="mean", drop_path_rate=0.1, depth=2, num_classes=3).config
+    torch.manual_seed(1)
+    drawn = build_model(dataclasses.replace(section, weight_init="mimetic"), image_size=16, num_classes=3)
+    torch.manual_seed(1)
+    same = nano(pool="mean", drop_path_rate=0.1, depth=2, num_classes=3, weight_init="mimetic")
+    torch.testing.assert_close(drawn.state_dict(), same.state_dict(), rtol=0, atol=0)
     assert build_model(section, image_size=16, num_classes=3, patch_size=8).config.patch_size == (8, 8)
 
 
@@ -312,6 +318,41 @@ def test_attention_maps_are_the_attention_used():
             _, _, v = block.attn.split_qkv(y)
             manual = block.attn.proj((attn @ v).transpose(1, 2).reshape(y.shape))
             torch.testing.assert_close(manual, block.attn(y), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- weight init
+ATTENTION_WEIGHTS = (".attn.qkv.weight", ".attn.proj.weight")
+
+
+def test_mimetic_init_draws_attention_as_trained_vits_look():
+    torch.manual_seed(3)
+    plain = nano(image_size=32)
+    torch.manual_seed(3)
+    mimetic = nano(image_size=32, weight_init="mimetic")
+    # Only the attention weights differ: everything else is timm's init from the same draws.
+    for (name, a), b in zip(plain.state_dict().items(), mimetic.state_dict().values()):
+        assert torch.equal(a, b) != name.endswith(ATTENTION_WEIGHTS), name
+    dim, hd = 64, 16
+    for block in mimetic.blocks:
+        w = block.attn.qkv.weight
+        value_path = block.attn.proj.weight @ w[2 * dim:]  # W_proj W_v = 0.4 Z - 0.4 I exactly
+        off_diagonal = value_path - torch.diag(value_path.diagonal())
+        assert abs(value_path.diagonal().mean().item() + 0.4) < 0.05
+        assert 0.04 < off_diagonal.std().item() < 0.06  # 0.4 / sqrt(64)
+        for h in range(4):  # each head's W_q^T W_k: the rank-16 part of 0.7 Z + 0.7 I
+            qk = w[h * hd:(h + 1) * hd].T @ w[dim + h * hd:dim + (h + 1) * hd]
+            assert qk.trace().item() > 0.5 * 0.7 * hd
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        uniform = 1 / 65
+        for model, low, high in ((plain, 0.5 * uniform, 2 * uniform), (mimetic, 10 * uniform, 1.0)):
+            for attn in attention_maps(model, x):  # each token's attention to itself
+                assert low < attn.diagonal(dim1=-2, dim2=-1).mean().item() < high
+
+
+def test_unknown_weight_init_lists_the_choices():
+    with pytest.raises(ValueError, match="weight_init must be one of \\('timm', 'mimetic'\\), got 'xavier'"):
+        nano(weight_init="xavier")
 
 
 # ----------------------------------------------------------------------------- geometry changes

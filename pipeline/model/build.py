@@ -40,13 +40,13 @@ def make_config(
     return ViTConfig(**fields)
 
 
-def build_vit(preset: str, **kwargs) -> VisionTransformer:
+def build_vit(preset: str, *, weight_init: str = "timm", **kwargs) -> VisionTransformer:
     """``build_vit("tiny", patch_size=16, image_size=224, num_classes=1000)``: a model from
-    :func:`make_config`'s arguments (see there).
+    :func:`make_config`'s arguments (see there), its weights drawn as ``weight_init`` says.
 
     Raises ValueError for an unknown preset or override, listing the valid names.
     """
-    return VisionTransformer(make_config(preset, **kwargs))
+    return VisionTransformer(make_config(preset, **kwargs), weight_init=weight_init)
 
 
 def section_config(model: "ModelConfig", *, image_size, num_classes: int, patch_size=None) -> ViTConfig:
@@ -61,6 +61,6 @@ def section_config(model: "ModelConfig", *, image_size, num_classes: int, patch_
 
 
 def build_model(model: "ModelConfig", *, image_size, num_classes: int, patch_size=None) -> VisionTransformer:
-    """The network of :func:`section_config`."""
+    """The network of :func:`section_config`, its weights drawn as ``model.weight_init`` says."""
     return VisionTransformer(section_config(model, image_size=image_size, num_classes=num_classes,
-                                            patch_size=patch_size))
+                                            patch_size=patch_size), weight_init=model.weight_init)

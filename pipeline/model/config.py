@@ -9,9 +9,12 @@ import dataclasses
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-__all__ = ["ViTConfig", "PRESETS", "check_divisible", "check_heads"]
+__all__ = ["ViTConfig", "PRESETS", "WEIGHT_INITS", "check_divisible", "check_heads"]
 
 POOLS = ("cls", "mean")
+# How a new model's weights are drawn (VisionTransformer.init_weights): "timm", timm's default ViT init;
+# "mimetic", the same plus self-attention initialised as trained ViTs look (Trockman & Kolter, 2023).
+WEIGHT_INITS = ("timm", "mimetic")
 
 # Width / depth / heads of the standard ViT family (Dosovitskiy et al., DeiT)
 # plus two CPU-sized presets for smoke tests and tiny data sets.

@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .config import ViTConfig
+from .config import WEIGHT_INITS, ViTConfig
+from .mimetic import mimetic_init_
 from .resample import resample_patch_embed, resample_pos_embed
 
 __all__ = ["PatchEmbed", "Attention", "Mlp", "DropPath", "Block", "VisionTransformer"]
@@ -151,12 +152,13 @@ class VisionTransformer(nn.Module):
     """ViT with a [CLS] token and learned absolute position embeddings.
 
     ``forward(images) = forward_head(forward_features(images))``. ``model.config``
-    always describes the current geometry, so it can be saved and rebuilt.
+    always describes the current geometry, so it can be saved and rebuilt. ``weight_init`` (one of
+    ``WEIGHT_INITS``) only says how the new weights are drawn, so it is not part of the config.
     """
 
     num_prefix_tokens = 1  # the [CLS] token
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, weight_init: str = "timm"):
         super().__init__()
         self.config = config
         self.grad_checkpointing = False  # a training setting, not part of the architecture or its config
@@ -171,10 +173,13 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.Sequential(*[Block(config, r) for r in rates])
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.head = nn.Linear(d, config.num_classes) if config.num_classes > 0 else nn.Identity()
-        self.init_weights()
+        self.init_weights(weight_init)
 
-    def init_weights(self) -> None:
-        """timm's default ViT init: trunc-normal(.02) linears and pos-embed, tiny cls token."""
+    def init_weights(self, mode: str = "timm") -> None:
+        """timm's default ViT init: trunc-normal(.02) linears and pos-embed, tiny cls token; with
+        ``mode="mimetic"`` each block's attention is then drawn as in trained ViTs (:mod:`.mimetic`)."""
+        if mode not in WEIGHT_INITS:
+            raise ValueError(f"weight_init must be one of {WEIGHT_INITS}, got {mode!r}")
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.normal_(self.cls_token, std=1e-6)
         for m in self.modules():
@@ -182,6 +187,9 @@ class VisionTransformer(nn.Module):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+        if mode == "mimetic":
+            for block in self.blocks:
+                mimetic_init_(block.attn)
 
     # ------------------------------------------------------------------ forward
     def _check_input(self, x: torch.Tensor) -> tuple[int, int]:
