@@ -39,7 +39,8 @@ from pipeline.train.techniques import amp_dtype, autocast  # noqa: E402
 def check_supported(cfg: TrainConfig) -> dict:
     """The recipe's augmentation, or ConfigError naming what this loop does not implement."""
     aug = dict(cfg.augment or {})
-    asked = {"ema_decay": cfg.ema_decay, "layer_decay": cfg.layer_decay, "amp": "fp16" if cfg.amp == "fp16" else None}
+    asked = {"ema_decay": cfg.ema_decay, "layer_decay": cfg.layer_decay, "amp": "fp16" if cfg.amp == "fp16" else None,
+             "mix_prob": cfg.mix_prob if cfg.mix_prob < 1 else None}
     off = [f"pretrain.{k}={v!r}" for k, v in asked.items() if v]
     if off:
         raise ConfigError(f"the plain loop has no {', '.join(off)}; set them off (--set) to compare")

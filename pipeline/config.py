@@ -116,6 +116,7 @@ class TrainConfig:
     augment: dict[str, Any] = field(default_factory=lambda: {"random_resized_crop": [0.8, 1.0], "hflip": 0.0})
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
+    mix_prob: float = 1.0
     ema_decay: Optional[float] = None
     ema_warmup: bool = True
     keep: str = "last"
@@ -388,6 +389,8 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
         raise ConfigError(f"{stage}.{exc}" if str(exc).startswith("augment") else f"{stage}.augment: {exc}") from None
     if t.mixup_alpha < 0 or t.cutmix_alpha < 0:
         raise ConfigError(f"{stage}.mixup_alpha / cutmix_alpha must be >= 0 (0 turns them off)")
+    if not 0.0 < t.mix_prob <= 1.0:
+        raise ConfigError(f"{stage}.mix_prob: {t.mix_prob!r} must be in (0, 1] (the share of batches mixed)")
     if t.global_batch_size % num_workers:
         raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
                           f"ray.num_workers={num_workers} (each worker gets an equal share)")

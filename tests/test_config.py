@@ -47,6 +47,7 @@ def test_params_yaml_and_code_defaults_agree():
     ({"ray.use_gpu": "yes"}, ["ray.use_gpu", "bool"]),
     ({"model.preset": "gigantic"}, ["model.preset", "gigantic", "tiny", "base"]),
     ({"model.pool": "max"}, ["model.pool", "'max'", "cls, mean"]),
+    ({"pretrain.mix_prob": 0.0}, ["pretrain.mix_prob", "0.0", "(0, 1]"]),
     ({"model.weight_init": "xavier"}, ["model.weight_init", "'xavier'", "timm, mimetic"]),
     ({"model.drop_path_rate": 1.0}, ["model.drop_path_rate", "[0, 1)", "1.0"]),
     ({"model.mlp_ratio": -2.0}, ["model.mlp_ratio", "positive", "-2.0"]),

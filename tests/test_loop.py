@@ -82,9 +82,10 @@ def test_cuda_graphed_step_matches_eager_and_never_syncs(graph):
 def test_graph_safe_step_matches_the_plain_step():
     """``cuda_graph: true`` on a CPU runs the step it would capture, eagerly: learning rates in device
     tensors the scheduler fills, the EMA's weight read from a tensor, MixUp drawn outside. It trains
-    as the plain step does (warm-up schedule, EMA warm-up, clipping, accumulation and MixUp on)."""
+    as the plain step does (warm-up schedule, EMA warm-up, clipping, accumulation and MixUp on half the
+    batches, one-hot targets on the others)."""
     model, cpu = _model(), torch.device("cpu")
-    recipe = dict(ema_decay=0.99, max_worker_batch=4, mixup_alpha=0.8, warmup_epochs=1.0, steps=5)
+    recipe = dict(ema_decay=0.99, max_worker_batch=4, mixup_alpha=0.8, mix_prob=0.5, warmup_epochs=1.0, steps=5)
     runs = []
     for graph in (False, True):
         torch.manual_seed(7)  # MixUp's draws
@@ -106,6 +107,26 @@ def test_graph_safe_step_matches_the_plain_step():
     for k in plain_w:
         torch.testing.assert_close(w[k], plain_w[k], rtol=1e-4, atol=1e-6, msg=k)
         torch.testing.assert_close(ema[k], plain_ema[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_mix_prob_mixes_that_share_of_the_batches_with_one_shape_of_targets():
+    """``mix_prob: 0.5``: about half the batches are mixed; the others keep their pixels and get one-hot
+    targets, the same shape as mixed ones (a CUDA graph replays one shape). At 1 every batch is mixed."""
+    from pipeline.train.techniques import batch_mixer
+    x, y = torch.rand(8, 3, 16, 16), torch.arange(8) % 10
+    torch.manual_seed(0)
+    mixer, mixed = batch_mixer(0.8, 1.0, 10, prob=0.5), 0
+    for _ in range(200):
+        images, targets = mixer(x, y)
+        assert targets.shape == (8, 10) and targets.dtype == torch.float32
+        torch.testing.assert_close(targets.sum(-1), torch.ones(8))
+        if torch.equal(images, x):
+            assert torch.equal(targets, torch.nn.functional.one_hot(y, 10).float())
+        else:
+            mixed += 1
+    assert 70 < mixed < 130, mixed
+    every = batch_mixer(0.8, 0.0, 10, prob=1.0)
+    assert all(not torch.equal(every(x, y)[0], x) for _ in range(20))
 
 
 def test_accumulated_step_equals_one_big_step():

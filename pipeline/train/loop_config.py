@@ -38,6 +38,7 @@ class LoopConfig:
     grad_clip: Optional[float]
     mixup_alpha: float
     cutmix_alpha: float
+    mix_prob: float
     ema_decay: Optional[float]
     ema_warmup: bool
     keep: str

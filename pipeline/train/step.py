@@ -32,7 +32,7 @@ class Stepper:
         self.dtype = amp_dtype(cfg.amp, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
         self.ema = make_ema(unwrap(model), cfg.ema_decay, cfg.ema_warmup)
-        self.mixer = batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, cfg.model["num_classes"])
+        self.mixer = batch_mixer(cfg.mixup_alpha, cfg.cutmix_alpha, cfg.model["num_classes"], cfg.mix_prob)
         self.captured = CapturedStep(self._compute, self.optimizer, device) if cfg.cuda_graph else None
         self.grad_norm: torch.Tensor | None = None  # the last step's, before clipping (with grad_clip set)
 

@@ -11,10 +11,12 @@ from torch import nn
 from torchvision.transforms import v2
 
 
-def batch_mixer(mixup_alpha: float, cutmix_alpha: float, num_classes: int):
-    """torchvision's MixUp / CutMix (one of them per batch when both are on); None when off.
+def batch_mixer(mixup_alpha: float, cutmix_alpha: float, num_classes: int, prob: float = 1.0):
+    """torchvision's MixUp / CutMix (one of them per batch when both are on) on a ``prob`` share of
+    the batches (timm's ``mixup_prob``); None when off.
 
-    The mixer turns integer labels into soft targets, so the loss takes probabilities.
+    The mixer turns integer labels into soft targets, so the loss takes probabilities; a batch left
+    unmixed gets one-hot targets, so every step sees the same shapes (a CUDA graph needs that).
     """
     ops = []
     if mixup_alpha > 0:
@@ -23,7 +25,20 @@ def batch_mixer(mixup_alpha: float, cutmix_alpha: float, num_classes: int):
         ops.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
     if not ops:
         return None
-    return ops[0] if len(ops) == 1 else v2.RandomChoice(ops)
+    mix = ops[0] if len(ops) == 1 else v2.RandomChoice(ops)
+    return mix if prob >= 1.0 else _SomeBatches(mix, prob, num_classes)
+
+
+class _SomeBatches:
+    """``mix`` on a ``prob`` share of the batches (drawn on the host: no device sync), one-hot otherwise."""
+
+    def __init__(self, mix, prob: float, num_classes: int):
+        self.mix, self.prob, self.num_classes = mix, prob, num_classes
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.rand(()).item() < self.prob:
+            return self.mix(images, labels)
+        return images, F.one_hot(labels, self.num_classes).float()
 
 
 def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> torch.Tensor:
