@@ -101,8 +101,9 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     """The README's GPU command as written (``configs/cifar10-1gpu.yaml --cifar --stages pretrain``) on
     a CIFAR-shaped tarball of a few images, made CPU-sized with --set: the shards follow the recipe's
     data section, the pretrain alone trains (within the recipe's time budget, planned at the end of a
-    warm-up shortened to 2 epochs, its step as the recipe's one CUDA graph runs eagerly on a CPU) and
-    the test split scores its kept weights."""
+    warm-up shortened to 2 epochs, its step as the recipe's one CUDA graph runs eagerly on a CPU, with
+    the next GPU run's lever, MixUp / CutMix on half the batches, docs/gpu.md) and the test split
+    scores its kept weights."""
     import tarfile
 
     from tests.data_helpers import make_imagefolder
@@ -118,7 +119,9 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
         "finetune.global_batch_size=16", "pretrain.compile=false", "finetune.compile=false")]
     out, shards = tmp_path / "tta.json", tmp_path / "work" / "cifar10-shards"
     proc = run_as_on_gpu_box(SCRIPT, "--recipe", "configs/cifar10-1gpu.yaml", "--cifar", "--stages", "pretrain",
-                             "--cifar-tarball", tarball, "--workdir", tmp_path / "work", *cpu_sized, "--out", out)
+                             "--cifar-tarball", tarball, "--workdir", tmp_path / "work", *cpu_sized,
+                             "--set=pretrain.mixup_alpha=1.0", "--set=pretrain.cutmix_alpha=1.0",
+                             "--set=pretrain.mix_prob=0.5", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = read_dataset_info(shards)
     assert info["classes"] == ["cat", "dog", "eel"] and info["counts"]["test"] == 90

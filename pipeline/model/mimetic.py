@@ -4,7 +4,7 @@ Self-Attention Layers", ICML 2023).
 In trained ViTs each head's query-key product ``W_q^T W_k`` is close to a positive multiple of the
 identity and the value-projection product ``W_proj W_v`` close to a negative one. Drawing a new
 model's attention that way, instead of as small noise, lets a ViT learn faster and to a higher
-accuracy on small data sets such as CIFAR-10 (+5 points there, by the paper).
+accuracy on small data sets such as CIFAR-10 (over 5 points there, by the paper).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 __all__ = ["mimetic_init_", "QK", "VO"]
 
-QK = (0.7, 0.7)  # (alpha, beta): W_q^T W_k ~ alpha Z + beta I, per head (the paper's values)
+QK = (0.7, 0.7)  # (alpha, beta): W_q^T W_k ~ alpha Z + beta I, per head (as public implementations set them)
 VO = (0.4, 0.4)  # (alpha, beta): W_proj W_v ~ alpha Z - beta I
 
 
