@@ -39,15 +39,16 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import ConfigError, Params, load_params  # noqa: E402
-from pipeline.data import make_eval_loader, read_dataset_info  # noqa: E402
+from pipeline.data import read_dataset_info  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
+from pipeline.inference import mean_of_views, predict_split, views_note  # noqa: E402
+from pipeline.metrics import classification_metrics  # noqa: E402
 from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.context import local_device  # noqa: E402
 from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noqa: E402
 from pipeline.train.driver import TrainingDiverged, fit  # noqa: E402
 from pipeline.train.selection import THRESHOLDS  # noqa: E402
-from pipeline.train.worker import evaluate_split  # noqa: E402
 from pipeline.training import load_finetune_start, model_meta, plan_stage, pretrain_start, stage_summary  # noqa: E402
 
 EXIT_BAD_INPUT, EXIT_RUN_AGAIN = 2, 75  # 75: EX_TEMPFAIL, "try again"
@@ -136,13 +137,16 @@ def pace(history: list[dict]) -> dict:
 
 
 def evaluate_test(model_dir: Path, shard_dir: Path, params: Params, device: torch.device) -> dict:
-    """Test loss and top-1 of the saved weights, every test sample once, fed as the evaluate stage
-    feeds them (its batch size and the saved normalisation; fp32, as it predicts)."""
+    """Test top-1, loss and calibration of the saved weights, every test sample once, scored as the
+    evaluate stage scores them (its batch size, ``evaluate.tta``'s views, the saved normalisation; fp32)."""
     model, meta = load_model(model_dir)
-    loader = make_eval_loader(shard_dir, "test", batch_size=params.evaluate.batch_size, image_size=meta["image_size"],
-                              rank=0, world_size=1, augment=meta["normalize"], device=device)
-    metrics = evaluate_split(model.to(device), loader, amp="off", device=device, split="test")
-    return {**metrics, "test_images": loader.num_samples}
+    views, labels = predict_split(model.to(device), shard_dir, "test", image_size=meta["image_size"],
+                                  batch_size=params.evaluate.batch_size, normalize=meta["normalize"],
+                                  tta=params.evaluate.tta)
+    logits, single = mean_of_views(views, labels)
+    metrics = {**classification_metrics(logits, labels), **single}
+    return {"test_tta": params.evaluate.tta, "test_images": metrics.pop("num_samples"),
+            **{f"test_{k}": v for k, v in metrics.items()}}
 
 
 def run(args: argparse.Namespace, params: Params, shards: dict[str, Path], device: torch.device,
@@ -168,7 +172,8 @@ def print_summary(report: dict) -> None:
               f"{s['images_per_s']:.0f} img/s, input wait {s['input_wait_share']:.0%} (medians over epochs); "
               f"kept epoch {s['kept_epoch']} ({s['kept_source']} weights), val top-1 {s['kept_val_top1']:.4f}; "
               f"val {reached}")
-    print(f"  test     : top-1 {report['test_top1']:.4f}, loss {report['test_loss']:.4f} "
+    views = views_note(report["test_tta"], report.get("test_top1_single_view"))
+    print(f"  test     : top-1 {report['test_top1']:.4f}{views}, loss {report['test_loss']:.4f} "
           f"({report['test_images']} images)")
     print(f"  wall time: {report['training_wall_time_s']:.1f} s training (all stages, every launch); "
           f"{report['command_wall_time_s']:.1f} s this command", flush=True)

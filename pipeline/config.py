@@ -155,6 +155,7 @@ class FinetuneConfig(TrainConfig):
 class EvaluateConfig:
     batch_size: int = 256
     resolutions: list[int] = field(default_factory=lambda: [24, 32, 40, 48])
+    tta: str = "none"
 
 
 @dataclass
@@ -435,6 +436,9 @@ def _check_export_and_ray(p: Params) -> None:
         raise ConfigError(f"ray.loader_workers: {p.ray.loader_workers!r} must be >= 0 (0: load in the training "
                           f"process) or null (ray.cpus_per_worker - 1)")
     _positive("evaluate.batch_size", p.evaluate.batch_size)
+    from pipeline.inference import TTA_VIEWS
+
+    _choice("evaluate.tta", p.evaluate.tta, tuple(TTA_VIEWS))
     _positive("ray.checkpoints_to_keep", p.ray.checkpoints_to_keep)
     _positive("export.num_images", p.export.num_images)
     for k in ("gpus_per_worker", "max_failures", "resource_wait_s"):

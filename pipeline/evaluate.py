@@ -14,23 +14,28 @@ from pipeline import storage
 from pipeline.cluster import worker_resources
 from pipeline.config import TRAINING_STAGES, Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info
-from pipeline.inference import predict_rank, predict_split
+from pipeline.inference import mean_of_views, predict_rank, predict_split, views_note
 from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
 from pipeline.model import VisionTransformer, attention_maps, load_model
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.registry import model_run_tag
 from pipeline.tracking import stage_run
+from pipeline.train.context import local_device
 from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text
 
 
 def distributed_predict(model: VisionTransformer, shard_dir, split: str, params: Params, *, image_size: int,
                         normalize: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split ``split`` over ``ray.num_workers`` Ray tasks (the eval loader's exact-once split); in this
-    process with ``ray.backend: local``."""
-    kwargs = {"image_size": image_size, "batch_size": params.evaluate.batch_size, "normalize": normalize}
+    """:func:`predict_split` (per-view logits, ``evaluate.tta``'s views) of ``split`` over
+    ``ray.num_workers`` Ray tasks (the eval loader's exact-once split), each on its GPU with
+    ``ray.use_gpu``; in this process with ``ray.backend: local``."""
+    kwargs = {"image_size": image_size, "batch_size": params.evaluate.batch_size, "normalize": normalize,
+              "tta": params.evaluate.tta}
     if params.ray.backend == "local":
-        return predict_split(model, shard_dir, split, **kwargs)
+        device = local_device(params.ray.use_gpu)  # a copy there: the caller's model stays on the CPU
+        return predict_split(model if device.type == "cpu" else copy.deepcopy(model).to(device), shard_dir, split,
+                             **kwargs)
     import ray
     from pipeline.cluster import ray_cluster
 
@@ -54,14 +59,15 @@ def check_exactly_once(labels: torch.Tensor, info: dict, split: str) -> None:
 
 
 def resolution_sweep(model: VisionTransformer, shard_dir, params: Params, normalize: dict) -> dict[str, float]:
-    """Top-1 at each ``evaluate.resolutions`` entry, position embeddings resampled as configured."""
+    """Top-1 at each ``evaluate.resolutions`` entry (``evaluate.tta``'s views), position embeddings
+    resampled as configured."""
     interp = params.finetune.interpolation
     out = {}
     for res in params.evaluate.resolutions:
         m = copy.deepcopy(model)
         m.set_input_size(image_size=res, mode=interp.mode, antialias=interp.antialias)
-        logits, labels = distributed_predict(m, shard_dir, "test", params, image_size=res, normalize=normalize)
-        out[str(res)] = (logits.argmax(1) == labels).float().mean().item()
+        views, labels = distributed_predict(m, shard_dir, "test", params, image_size=res, normalize=normalize)
+        out[str(res)] = (mean_of_views(views, labels)[0].argmax(1) == labels).float().mean().item()
     return out
 
 
@@ -107,9 +113,10 @@ def evaluate(params: Params) -> dict:
                                                         "patch_size": model.config.patch_size[0],
                                                         "world_size": params.ray.world_size},
                       tags=model_run_tag(meta)):
-        logits, labels = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
+        views, labels = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
         check_exactly_once(labels, info, "test")
-        metrics = classification_metrics(logits, labels)
+        logits, single = mean_of_views(views, labels)
+        metrics = {**classification_metrics(logits, labels), **single}
         preds = logits.argmax(1)
         matrix = confusion_matrix(preds, labels, len(classes))
         scores = per_class(matrix, classes)
@@ -132,7 +139,8 @@ def evaluate(params: Params) -> dict:
         mlflow.log_metrics({f"top1_at_{r}px": v for r, v in metrics["resolution_sweep"].items()})
         for path in OUTPUTS:
             mlflow.log_artifact(str(path))
-    print(f"[evaluate] test top-1 {metrics['top1']:.4f}, top-5 {metrics['top5']:.4f}, loss {metrics['loss']:.4f}, "
+    tta = views_note(params.evaluate.tta, metrics.get("top1_single_view"))
+    print(f"[evaluate] test top-1 {metrics['top1']:.4f}{tta}, top-5 {metrics['top5']:.4f}, loss {metrics['loss']:.4f}, "
           f"ECE {metrics['ece']:.4f} "
           f"on {metrics['num_samples']} images ({params.ray.world_size} workers); top-1 by resolution "
           f"{ {r: round(v, 4) for r, v in metrics['resolution_sweep'].items()} }; pictures in {PLOTS}/", flush=True)

@@ -5,29 +5,60 @@ eval loader only, not MLflow and matplotlib (about 3 s of every process on a 2-c
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from pipeline.data import make_eval_loader
 from pipeline.model import ViTConfig, VisionTransformer
 
+# evaluate.tta: the views of each test image whose logits are averaged. A mirror keeps the class of
+# CIFAR / ImageNet-style photos (and is among their train augmentations), not of digits or text.
+TTA_VIEWS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = {
+    "none": (lambda x: x,),
+    "hflip": (lambda x: x, lambda x: x.flip(-1)),
+}
+
 
 @torch.no_grad()
 def predict_split(model: VisionTransformer, shard_dir, split: str, *, image_size: int, batch_size: int,
-                  normalize: dict, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and labels for the samples of ``split`` that ``rank`` is responsible for."""
+                  normalize: dict, tta: str = "none", rank: int = 0,
+                  world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-view logits [N, V, C] (the views of ``TTA_VIEWS[tta]``; view 0 the image as it is) and
+    labels [N] of the samples of ``split`` that ``rank`` is responsible for, on the CPU; the model
+    runs where its weights are, in float32."""
+    views, device = TTA_VIEWS[tta], next(model.parameters()).device
     model.eval()
     logits, labels = [], []
     for images, y in make_eval_loader(shard_dir, split, batch_size=batch_size, image_size=image_size,
-                                      rank=rank, world_size=world_size, augment=normalize):
-        logits.append(model(images))
-        labels.append(y)
+                                      rank=rank, world_size=world_size, augment=normalize, device=device):
+        logits.append(torch.stack([model(view(images)).float() for view in views], 1).cpu())
+        labels.append(y.cpu())
     if not logits:
-        return torch.empty(0, model.config.num_classes), torch.empty(0, dtype=torch.long)
+        return torch.empty(0, len(views), model.config.num_classes), torch.empty(0, dtype=torch.long)
     return torch.cat(logits), torch.cat(labels)
+
+
+def mean_of_views(views: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`predict_split`'s per-view logits -> their mean [N, C]; with more than one view, also
+    ``top1_single_view``: what the image alone (view 0) scores, to compare with runs without TTA."""
+    if views.shape[1] == 1:
+        return views[:, 0], {}
+    return views.mean(1), {"top1_single_view": (views[:, 0].argmax(1) == labels).float().mean().item()}
+
+
+def views_note(tta: str, top1_single_view: float | None) -> str:
+    """What a printed test top-1 is, beside it: nothing without TTA, else the views and the single view."""
+    return "" if tta == "none" else f" (tta {tta}; the image alone {top1_single_view:.4f})"
+
+
+def task_device() -> torch.device:
+    """A Ray task's device: the GPU Ray assigned it (``num_gpus``; Ray hides the others), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def predict_rank(state: dict, config: dict, shard_dir: str, split: str, kwargs: dict, rank: int, world: int):
     """:func:`predict_split` for ``rank`` of ``world``, the model rebuilt from its config and weights."""
     model = VisionTransformer(ViTConfig.from_dict(config))
     model.load_state_dict(state)
-    return predict_split(model, shard_dir, split, rank=rank, world_size=world, **kwargs)
+    return predict_split(model.to(task_device()), shard_dir, split, rank=rank, world_size=world, **kwargs)

@@ -184,7 +184,7 @@ def stage_results(stage: str) -> dict[str, float]:
             if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool):
                 out[f"{stage}.{k}"] = float(m[k])
     elif stage == "evaluate":
-        for k in ("top1", "top5", "loss", "ece"):
+        for k in ("top1", "top5", "loss", "ece", "top1_single_view"):  # the last with evaluate.tta only
             if isinstance(m.get(k), (int, float)):
                 out[f"test_{k}"] = float(m[k])
         for k in ("macro_f1", "macro_precision", "macro_recall"):

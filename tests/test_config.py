@@ -63,6 +63,7 @@ def test_params_yaml_and_code_defaults_agree():
       "pretrain.compile_mode": "reduce-overhead"}, ["pretrain.cuda_graph", "compile_mode: reduce-overhead", "default"]),
     ({"pretrain.global_batch_size": 63}, ["pretrain.global_batch_size", "63", "ray.num_workers=2"]),
     ({"evaluate.resolutions": [32, 33]}, ["evaluate.resolutions[1]", "33"]),
+    ({"evaluate.tta": "flip"}, ["evaluate.tta", "'flip'", "none, hflip"]),
     ({"export.formats": ["onnx", "tflite"]}, ["export.formats[1]", "tflite", "torchscript"]),
     ({"finetune.augment": {"mean": [0.5, 0.5]}}, ["finetune.augment.mean", "[0.5, 0.5]", "3 numbers", "'dataset'"]),
     ({"pretrain.augment": {"mean": "datset"}}, ["pretrain.augment.mean", "'datset'", "'dataset'"]),

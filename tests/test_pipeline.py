@@ -522,6 +522,7 @@ def test_dvc_reruns_only_what_a_param_change_touches(repro):
     assert _would_run(repo) == set()
     assert _would_run(repo, **{"finetune.lr": 0.0031}) == {"finetune", "evaluate", "export"}
     assert _would_run(repo, **{"evaluate.resolutions": [32]}) == {"evaluate"}
+    assert _would_run(repo, **{"evaluate.tta": "hflip"}) == {"evaluate"}
     assert _would_run(repo, **{"export.opset": 19}) == {"export"}
     assert _would_run(repo, **{"pretrain.epochs": 3}) == {"pretrain", "finetune", "evaluate", "export"}
     assert _would_run(repo, **{"data.finetune.seed": 1}) == {"shard@finetune", "finetune", "evaluate", "export"}
@@ -555,6 +556,30 @@ def test_dvc_exp_run_patch_and_resolution(repro):
     ft = client.search_runs([exp.experiment_id], "tags.stage = 'finetune' and params.`finetune.patch_size` = '8'")
     assert len(ft) == 1 and ft[0].data.params["image_size"] == "48" and ft[0].data.params["patch_size"] == "8"
     assert ft[0].data.params["model.patch_size"] == "4"  # pretrained at patch 4
+
+
+def test_dvc_exp_run_flip_tta_re_runs_evaluate_only(repro):
+    """`-S evaluate.tta=hflip`: only evaluate runs again, over its Ray tasks; its top-1 is the mean of
+    each test image's and its mirror's logits, and `top1_single_view`, the image alone, is the plain
+    evaluation's top-1 of the same weights. The pipeline run in MLflow carries both and the param."""
+    repo, _ = repro
+    plain = json.loads((repo / "metrics/evaluate.json").read_text())  # the workspace's model, tta: none
+    assert "top1_single_view" not in plain
+    proc = run(["dvc", "exp", "run", "-n", "flip-tta", "-S", "evaluate.tta=hflip"], repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "Running stage 'evaluate'" in out and "Stage 'finetune' didn't change, skipping" in out
+    assert "Running stage 'export'" not in out  # export does not depend on evaluate.*
+    flipped = json.loads((repo / "metrics/evaluate.json").read_text())
+    assert flipped["top1_single_view"] == pytest.approx(plain["top1"], abs=1e-9)
+    assert flipped["num_samples"] == plain["num_samples"] and flipped["loss"] != pytest.approx(plain["loss"])
+    assert f"(tta hflip; the image alone {flipped['top1_single_view']:.4f})" in out
+    client, _ = pretrain_runs(repo)
+    exp = client.get_experiment_by_name("vit-pipeline")
+    [parent] = client.search_runs([exp.experiment_id], "tags.kind = 'pipeline' and tags.`dvc.exp_name` = 'flip-tta'")
+    assert parent.data.params["evaluate.tta"] == "hflip"
+    assert parent.data.metrics["test_top1"] == pytest.approx(flipped["top1"])
+    assert parent.data.metrics["test_top1_single_view"] == pytest.approx(plain["top1"])
 
 
 def test_dvc_remote_push_then_a_fresh_clone_pulls_and_is_up_to_date(repro, s3_server, tmp_path):
