@@ -171,6 +171,10 @@ def log_datasets(client, run_ids: list[str], stage: str) -> None:
 # --------------------------------------------------------------------------- results
 
 
+TEST_METRICS = ("top1", "top5", "loss", "ece", "top1_single_view")  # of metrics/evaluate.json, as test_<name>;
+# top1_single_view with evaluate.tta only
+
+
 def stage_results(stage: str) -> dict[str, float]:
     """The numbers of ``metrics/<stage>.json`` worth comparing across pipelines, keyed for the parent."""
     path = METRICS_DIR / f"{stage}.json"
@@ -184,7 +188,7 @@ def stage_results(stage: str) -> dict[str, float]:
             if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool):
                 out[f"{stage}.{k}"] = float(m[k])
     elif stage == "evaluate":
-        for k in ("top1", "top5", "loss", "ece", "top1_single_view"):  # the last with evaluate.tta only
+        for k in TEST_METRICS:
             if isinstance(m.get(k), (int, float)):
                 out[f"test_{k}"] = float(m[k])
         for k in ("macro_f1", "macro_precision", "macro_recall"):

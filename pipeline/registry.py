@@ -37,7 +37,7 @@ def evaluation_of(client, experiment_id: str, model_run_id: str) -> dict[str, fl
                                f"'{model_run_id}' and attributes.status = 'FINISHED'",
                                order_by=["attributes.end_time DESC"], max_results=1)
     metrics = found[0].data.metrics if found else {}
-    return {f"test_{k}": metrics[k] for k in ("top1", "top5", "loss", "ece") if k in metrics}
+    return {f"test_{k}": metrics[k] for k in pipeline_run.TEST_METRICS if k in metrics}
 
 
 def _dataset_tag(name: str) -> str:
@@ -82,6 +82,8 @@ def describe(tags: dict[str, str], pipeline_name: str) -> str:
     exp = f", DVC experiment {tags['dvc.exp_name']}" if "dvc.exp_name" in tags else ""
     test = (f"test top-1 {float(tags['test_top1']):.2%} on {tags['data.finetune']}" if "test_top1" in tags
             else "not evaluated when registered (the pipeline run has the test metrics once evaluate ends)")
+    if "test_top1_single_view" in tags:  # evaluate.tta
+        test += f" (test-time views averaged; the image alone {float(tags['test_top1_single_view']):.2%})"
     device = f", trained on {tags['trained_on']}" if "trained_on" in tags else ""
     return (f"Pipeline run {pipeline_name} ({tags['pipeline.run_id']}){exp}, commit {commit}; "
             f"{tags['image_size']} px, patch {tags['patch_size']}{device}; {test}.")

@@ -209,6 +209,15 @@ def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, mo
     (found,) = client.search_model_versions("tags.`dvc.exp_name` = 'p8-r48'")  # the README's search
     assert found.version == got.version
 
+    with stage_run("evaluate", params, tags=model_run_tag(meta)):  # evaluated again, now with evaluate.tta
+        mlflow.log_metrics({"top1": 0.9, "top5": 1.0, "loss": 0.4, "ece": 0.05, "top1_single_view": 0.875})
+    with stage_run("export", params, tags=model_run_tag(meta)) as run:
+        version = _register(client, run)
+        tags = record_version(client, run, "vit-pipeline", version, meta)
+    assert (tags["test_top1"], tags["test_top1_single_view"]) == ("0.9000", "0.8750")
+    assert client.get_model_version("vit-pipeline", str(version)).description.endswith(
+        f"test top-1 90.00% on finetune-digits@{manifest} (test-time views averaged; the image alone 87.50%).")
+
     meta["mlflow_run_id"] = "never-evaluated"
     with stage_run("export", params, tags=model_run_tag(meta)) as run:
         version = _register(client, run)
