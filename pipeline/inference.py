@@ -5,19 +5,48 @@ eval loader only, not MLflow and matplotlib (about 3 s of every process on a 2-c
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.data import make_eval_loader
+from pipeline.data.transforms import resolve_augment
 from pipeline.model import ViTConfig, VisionTransformer
 
-# evaluate.tta: the views of each test image whose logits are averaged. A mirror keeps the class of
-# CIFAR / ImageNet-style photos (and is among their train augmentations), not of digits or text.
-TTA_VIEWS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = {
-    "none": (lambda x: x,),
-    "hflip": (lambda x: x, lambda x: x.flip(-1)),
+
+class View(NamedTuple):
+    """One test-time view of an image: moved by ``dy``, ``dx`` pixels (black where it moves in from
+    outside, as in the train crops' zero padding), then mirrored or not."""
+    dy: int = 0
+    dx: int = 0
+    mirror: bool = False
+
+
+# evaluate.tta: the views of each test image whose logits are averaged, the image itself first. A
+# mirror keeps the class of CIFAR / ImageNet-style photos (and is among their train augmentations),
+# not of digits or text. A ViT's patch grid makes a 1-pixel move a different tokenisation of the image.
+DIAGONAL_MOVES = ((0, 0), (-1, -1), (-1, 1), (1, -1), (1, 1))
+TTA_VIEWS: dict[str, tuple[View, ...]] = {
+    "none": (View(),),
+    "hflip": (View(), View(mirror=True)),
+    "hflip-shift": tuple(View(dy, dx, mirror) for dy, dx in DIAGONAL_MOVES for mirror in (False, True)),
 }
+
+
+def apply_view(x: torch.Tensor, view: View, black: torch.Tensor) -> torch.Tensor:
+    """``view`` of a normalised batch ``x`` [B, 3, H, W]; ``black`` [1, 3, 1, 1]: a black pixel, normalised."""
+    if view.dy or view.dx:
+        (h, w), r = x.shape[-2:], max(abs(view.dy), abs(view.dx))
+        x = F.pad(x - black, (r,) * 4)[..., r - view.dy:r - view.dy + h, r - view.dx:r - view.dx + w] + black
+    return x.flip(-1) if view.mirror else x
+
+
+def normalised_black(normalize: dict | None, device: torch.device) -> torch.Tensor:
+    """What a black pixel is after ``normalize``'s mean / std: [1, 3, 1, 1] on ``device``."""
+    cfg = resolve_augment(normalize)
+    mean, std = torch.tensor(cfg["mean"], device=device), torch.tensor(cfg["std"], device=device)
+    return (-mean / std).view(1, 3, 1, 1)
 
 
 @torch.no_grad()
@@ -28,11 +57,12 @@ def predict_split(model: VisionTransformer, shard_dir, split: str, *, image_size
     labels [N] of the samples of ``split`` that ``rank`` is responsible for, on the CPU; the model
     runs where its weights are, in float32."""
     views, device = TTA_VIEWS[tta], next(model.parameters()).device
+    black = normalised_black(normalize, device)
     model.eval()
     logits, labels = [], []
     for images, y in make_eval_loader(shard_dir, split, batch_size=batch_size, image_size=image_size,
                                       rank=rank, world_size=world_size, augment=normalize, device=device):
-        logits.append(torch.stack([model(view(images)).float() for view in views], 1).cpu())
+        logits.append(torch.stack([model(apply_view(images, v, black)).float() for v in views], 1).cpu())
         labels.append(y.cpu())
     if not logits:
         return torch.empty(0, len(views), model.config.num_classes), torch.empty(0, dtype=torch.long)

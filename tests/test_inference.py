@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from pipeline.data import make_eval_loader, read_dataset_info
-from pipeline.inference import mean_of_views, predict_split, views_note
+from pipeline.data.transforms import BatchFinish
+from pipeline.inference import TTA_VIEWS, View, apply_view, mean_of_views, normalised_black, predict_split, views_note
 from pipeline.metrics import classification_metrics
 from pipeline.model import build_vit
 
 SIZE = 16  # the digits' default pretrain size
+NORMALIZE = {"mean": [0.4, 0.5, 0.6], "std": [0.2, 0.25, 0.3]}
 
 
 def digits_model() -> torch.nn.Module:
@@ -19,26 +21,42 @@ def digits_model() -> torch.nn.Module:
 
 
 def predict(model, shard_dir, tta: str):
-    return predict_split(model, shard_dir, "test", image_size=SIZE, batch_size=64, normalize=None, tta=tta)
+    return predict_split(model, shard_dir, "test", image_size=SIZE, batch_size=64, normalize=NORMALIZE, tta=tta)
 
 
-def test_hflip_views_are_each_image_and_its_mirror(digits_dir):
+def test_a_moved_view_is_the_image_moved_over_black_pixels():
+    """On a normalised batch, as if the uint8 image had been moved over zeros (the train crops' padding)
+    and then normalised; the mirror after the move."""
+    pixels = torch.randint(1, 256, (2, 3, 5, 6), dtype=torch.uint8)
+    finish, black = BatchFinish(NORMALIZE), normalised_black(NORMALIZE, torch.device("cpu"))
+    moved = torch.zeros_like(pixels)
+    moved[..., 1:, :-2] = pixels[..., :-1, 2:]  # down 1, left 2
+    torch.testing.assert_close(apply_view(finish(pixels), View(1, -2), black), finish(moved))
+    torch.testing.assert_close(apply_view(finish(pixels), View(1, -2, mirror=True), black), finish(moved.flip(-1)))
+    assert torch.equal(apply_view(finish(pixels), View(), black), finish(pixels))
+
+
+def test_views_are_predicted_as_listed_and_averaged(digits_dir):
     model = digits_model()
     one, labels = predict(model, digits_dir, "none")
-    two, labels2 = predict(model, digits_dir, "hflip")
     n = read_dataset_info(digits_dir)["counts"]["test"]
-    assert one.shape == (n, 1, 10) and two.shape == (n, 2, 10) and torch.equal(labels, labels2)
-    with torch.no_grad():
-        batches = list(make_eval_loader(digits_dir, "test", batch_size=64, image_size=SIZE, rank=0, world_size=1,
-                                        augment=None))
-        mirrored = torch.cat([model(x.flip(-1)) for x, _ in batches])
-    assert not torch.allclose(two[:, 0], two[:, 1])  # digits are not mirror-symmetric
-    torch.testing.assert_close(two[:, 0], one[:, 0], rtol=0, atol=0)
-    torch.testing.assert_close(two[:, 1], mirrored, rtol=0, atol=0)
-
-    logits, single = mean_of_views(two, labels)
-    torch.testing.assert_close(logits, (two[:, 0] + two[:, 1]) / 2)
-    assert single == {"top1_single_view": classification_metrics(one[:, 0], labels)["top1"]}
+    assert one.shape == (n, 1, 10) and TTA_VIEWS["none"] == (View(),)
+    black = normalised_black(NORMALIZE, torch.device("cpu"))
+    batches = list(make_eval_loader(digits_dir, "test", batch_size=64, image_size=SIZE, rank=0, world_size=1,
+                                    augment=NORMALIZE))
+    for tta in ("hflip", "hflip-shift"):
+        views, same_labels = predict(model, digits_dir, tta)
+        assert views.shape == (n, len(TTA_VIEWS[tta]), 10) and torch.equal(labels, same_labels)
+        assert TTA_VIEWS[tta][0] == View() and len(set(TTA_VIEWS[tta])) == len(TTA_VIEWS[tta])
+        torch.testing.assert_close(views[:, 0], one[:, 0], rtol=0, atol=0)  # the image itself first
+        with torch.no_grad():
+            for k, view in enumerate(TTA_VIEWS[tta][1:], 1):
+                expected = torch.cat([model(apply_view(x, view, black)) for x, _ in batches])
+                torch.testing.assert_close(views[:, k], expected, rtol=0, atol=0)
+                assert not torch.allclose(views[:, k], views[:, 0])  # digits are neither mirrored nor moved alike
+        logits, single = mean_of_views(views, labels)
+        torch.testing.assert_close(logits, views.mean(1))
+        assert single == {"top1_single_view": classification_metrics(one[:, 0], labels)["top1"]}
     alone, nothing = mean_of_views(one, labels)  # no views beside the image: nothing to add
     assert torch.equal(alone, one[:, 0]) and nothing == {}
     assert views_note("none", None) == "" and views_note("hflip", 0.25) == " (tta hflip; the image alone 0.2500)"
@@ -47,7 +65,7 @@ def test_hflip_views_are_each_image_and_its_mirror(digits_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_prediction_matches_cpu(digits_dir):
     """A GPU evaluation task (ray.use_gpu) predicts on its GPU; the logits come back on the CPU."""
-    cpu, labels = predict(digits_model(), digits_dir, "hflip")
-    cuda, cuda_labels = predict(digits_model().cuda(), digits_dir, "hflip")
+    cpu, labels = predict(digits_model(), digits_dir, "hflip-shift")
+    cuda, cuda_labels = predict(digits_model().cuda(), digits_dir, "hflip-shift")
     assert cuda.device.type == "cpu" and torch.equal(labels, cuda_labels)
     torch.testing.assert_close(cuda, cpu, rtol=1e-3, atol=1e-3)

@@ -558,14 +558,14 @@ def test_dvc_exp_run_patch_and_resolution(repro):
     assert ft[0].data.params["model.patch_size"] == "4"  # pretrained at patch 4
 
 
-def test_dvc_exp_run_flip_tta_re_runs_evaluate_only(repro):
-    """`-S evaluate.tta=hflip`: only evaluate runs again, over its Ray tasks; its top-1 is the mean of
-    each test image's and its mirror's logits, and `top1_single_view`, the image alone, is the plain
+def test_dvc_exp_run_tta_re_runs_evaluate_only(repro):
+    """`-S evaluate.tta=hflip-shift`: only evaluate runs again, over its Ray tasks; its top-1 is the mean
+    of 10 views' logits of each test image, and `top1_single_view`, the image alone, is the plain
     evaluation's top-1 of the same weights. The pipeline run in MLflow carries both and the param."""
     repo, _ = repro
     plain = json.loads((repo / "metrics/evaluate.json").read_text())  # the workspace's model, tta: none
     assert "top1_single_view" not in plain
-    proc = run(["dvc", "exp", "run", "-n", "flip-tta", "-S", "evaluate.tta=hflip"], repo)
+    proc = run(["dvc", "exp", "run", "-n", "tta", "-S", "evaluate.tta=hflip-shift"], repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "Running stage 'evaluate'" in out and "Stage 'finetune' didn't change, skipping" in out
@@ -573,11 +573,11 @@ def test_dvc_exp_run_flip_tta_re_runs_evaluate_only(repro):
     flipped = json.loads((repo / "metrics/evaluate.json").read_text())
     assert flipped["top1_single_view"] == pytest.approx(plain["top1"], abs=1e-9)
     assert flipped["num_samples"] == plain["num_samples"] and flipped["loss"] != pytest.approx(plain["loss"])
-    assert f"(tta hflip; the image alone {flipped['top1_single_view']:.4f})" in out
+    assert f"(tta hflip-shift; the image alone {flipped['top1_single_view']:.4f})" in out
     client, _ = pretrain_runs(repo)
     exp = client.get_experiment_by_name("vit-pipeline")
-    [parent] = client.search_runs([exp.experiment_id], "tags.kind = 'pipeline' and tags.`dvc.exp_name` = 'flip-tta'")
-    assert parent.data.params["evaluate.tta"] == "hflip"
+    [parent] = client.search_runs([exp.experiment_id], "tags.kind = 'pipeline' and tags.`dvc.exp_name` = 'tta'")
+    assert parent.data.params["evaluate.tta"] == "hflip-shift"
     assert parent.data.metrics["test_top1"] == pytest.approx(flipped["top1"])
     assert parent.data.metrics["test_top1_single_view"] == pytest.approx(plain["top1"])
 

@@ -134,9 +134,10 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     assert re.search(rf"\[pretrain\] time budget {budget:g} min: .* -> 3 epochs \(at most 3\)", proc.stdout), proc.stdout
     assert TRAINED.findall(proc.stdout) == ["[pretrain] epoch 1/3 ", "[pretrain] epoch 2/3 ", "[pretrain] epoch 3/3 "]
     assert "cuda_graph: no GPU, the graph-safe step runs eagerly" in proc.stdout  # the recipe's cuda_graph: true
-    assert report["test_tta"] == "hflip"  # the recipe's evaluate.tta: the mirror's logits averaged in
-    assert f"(tta hflip; the image alone {report['test_top1_single_view']:.4f})" in proc.stdout
-    assert saved_test_top1(report["model_dir"], shards, "hflip")[0] == pytest.approx(report["test_top1"], abs=1e-6)
+    assert report["test_tta"] == "hflip-shift"  # the recipe's evaluate.tta: 10 views' logits averaged
+    assert f"(tta hflip-shift; the image alone {report['test_top1_single_view']:.4f})" in proc.stdout
+    assert saved_test_top1(report["model_dir"], shards, "hflip-shift")[0] == pytest.approx(report["test_top1"],
+                                                                                         abs=1e-6)
     assert saved_test_top1(report["model_dir"], shards)[0] == pytest.approx(report["test_top1_single_view"], abs=1e-6)
 
     # the README's feed-ratio command before it, on the same tarball: the same shards, its figures
