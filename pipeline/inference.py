@@ -25,11 +25,13 @@ class View(NamedTuple):
 
 # evaluate.tta: the views of each test image whose logits are averaged, the image itself first. A
 # mirror keeps the class of CIFAR / ImageNet-style photos (and is among their train augmentations),
-# not of digits or text. A ViT's patch grid makes a 1-pixel move a different tokenisation of the image.
+# not of digits or text ("shift": moves only). A ViT's patch grid makes a 1-pixel move a different
+# tokenisation of the image.
 DIAGONAL_MOVES = ((0, 0), (-1, -1), (-1, 1), (1, -1), (1, 1))
 TTA_VIEWS: dict[str, tuple[View, ...]] = {
     "none": (View(),),
     "hflip": (View(), View(mirror=True)),
+    "shift": tuple(View(dy, dx) for dy, dx in DIAGONAL_MOVES),
     "hflip-shift": tuple(View(dy, dx, mirror) for dy, dx in DIAGONAL_MOVES for mirror in (False, True)),
 }
 

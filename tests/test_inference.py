@@ -44,7 +44,8 @@ def test_views_are_predicted_as_listed_and_averaged(digits_dir):
     black = normalised_black(NORMALIZE, torch.device("cpu"))
     batches = list(make_eval_loader(digits_dir, "test", batch_size=64, image_size=SIZE, rank=0, world_size=1,
                                     augment=NORMALIZE))
-    for tta in ("hflip", "hflip-shift"):
+    assert set(TTA_VIEWS) == {"none", "hflip", "shift", "hflip-shift"}
+    for tta in ("hflip", "shift", "hflip-shift"):
         views, same_labels = predict(model, digits_dir, tta)
         assert views.shape == (n, len(TTA_VIEWS[tta]), 10) and torch.equal(labels, same_labels)
         assert TTA_VIEWS[tta][0] == View() and len(set(TTA_VIEWS[tta])) == len(TTA_VIEWS[tta])
