@@ -41,7 +41,7 @@ from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import ConfigError, Params, load_params  # noqa: E402
 from pipeline.data import read_dataset_info  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
-from pipeline.inference import mean_of_views, predict_split, views_note  # noqa: E402
+from pipeline.inference import predict_split, single_view_top1, views_note  # noqa: E402
 from pipeline.metrics import classification_metrics  # noqa: E402
 from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
@@ -140,11 +140,9 @@ def evaluate_test(model_dir: Path, shard_dir: Path, params: Params, device: torc
     """Test top-1, loss and calibration of the saved weights, every test sample once, scored as the
     evaluate stage scores them (its batch size, ``evaluate.tta``'s views, the saved normalisation; fp32)."""
     model, meta = load_model(model_dir)
-    views, labels = predict_split(model.to(device), shard_dir, "test", image_size=meta["image_size"],
-                                  batch_size=params.evaluate.batch_size, normalize=meta["normalize"],
-                                  tta=params.evaluate.tta)
-    logits, single = mean_of_views(views, labels)
-    metrics = {**classification_metrics(logits, labels), **single}
+    scored = predict_split(model.to(device), shard_dir, "test", image_size=meta["image_size"],
+                           batch_size=params.evaluate.batch_size, normalize=meta["normalize"], tta=params.evaluate.tta)
+    metrics = {**classification_metrics(scored.logits, scored.labels), **single_view_top1(scored, params.evaluate.tta)}
     return {"test_tta": params.evaluate.tta, "test_images": metrics.pop("num_samples"),
             **{f"test_{k}": v for k, v in metrics.items()}}
 

@@ -14,7 +14,7 @@ from pipeline import storage
 from pipeline.cluster import worker_resources
 from pipeline.config import TRAINING_STAGES, Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info
-from pipeline.inference import mean_of_views, predict_rank, predict_split, views_note
+from pipeline.inference import Predictions, predict_rank, predict_split, single_view_top1, views_note
 from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
 from pipeline.model import VisionTransformer, attention_maps, load_model
 from pipeline.outputs import staged_outputs
@@ -26,8 +26,8 @@ from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_wri
 
 
 def distributed_predict(model: VisionTransformer, shard_dir, split: str, params: Params, *, image_size: int,
-                        normalize: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`predict_split` (per-view logits, ``evaluate.tta``'s views) of ``split`` over
+                        normalize: dict) -> Predictions:
+    """:func:`predict_split` (``evaluate.tta``'s views) of ``split`` over
     ``ray.num_workers`` Ray tasks (the eval loader's exact-once split), each on its GPU with
     ``ray.use_gpu``; in this process with ``ray.backend: local``."""
     kwargs = {"image_size": image_size, "batch_size": params.evaluate.batch_size, "normalize": normalize,
@@ -46,7 +46,7 @@ def distributed_predict(model: VisionTransformer, shard_dir, split: str, params:
         task = ray.remote(predict_rank).options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0))
         parts = ray.get([task.remote(state, model.config.to_dict(), storage.worker_path(shard_dir), split, kwargs,
                                      rank, world) for rank in range(world)])
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return Predictions.cat(parts)
 
 
 def check_exactly_once(labels: torch.Tensor, info: dict, split: str) -> None:
@@ -66,8 +66,8 @@ def resolution_sweep(model: VisionTransformer, shard_dir, params: Params, normal
     for res in params.evaluate.resolutions:
         m = copy.deepcopy(model)
         m.set_input_size(image_size=res, mode=interp.mode, antialias=interp.antialias)
-        views, labels = distributed_predict(m, shard_dir, "test", params, image_size=res, normalize=normalize)
-        out[str(res)] = (mean_of_views(views, labels)[0].argmax(1) == labels).float().mean().item()
+        scored = distributed_predict(m, shard_dir, "test", params, image_size=res, normalize=normalize)
+        out[str(res)] = (scored.logits.argmax(1) == scored.labels).float().mean().item()
     return out
 
 
@@ -113,10 +113,10 @@ def evaluate(params: Params) -> dict:
                                                         "patch_size": model.config.patch_size[0],
                                                         "world_size": params.ray.world_size},
                       tags=model_run_tag(meta)):
-        views, labels = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
+        scored = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
+        logits, labels = scored.logits, scored.labels
         check_exactly_once(labels, info, "test")
-        logits, single = mean_of_views(views, labels)
-        metrics = {**classification_metrics(logits, labels), **single}
+        metrics = {**classification_metrics(logits, labels), **single_view_top1(scored, params.evaluate.tta)}
         preds = logits.argmax(1)
         matrix = confusion_matrix(preds, labels, len(classes))
         scores = per_class(matrix, classes)

@@ -51,32 +51,45 @@ def normalised_black(normalize: dict | None, device: torch.device) -> torch.Tens
     return (-mean / std).view(1, 3, 1, 1)
 
 
+class Predictions(NamedTuple):
+    """:func:`predict_split`'s answer, on the CPU: per sample the mean of its views' logits [N, C], its
+    label [N] and the class its first view, the image alone, predicts [N] (all that is kept of the
+    other views: V logits a sample would be V times the memory, at ImageNet's 50,000 x 1,000)."""
+    logits: torch.Tensor
+    labels: torch.Tensor
+    single: torch.Tensor
+
+    @classmethod
+    def cat(cls, parts: list["Predictions"]) -> "Predictions":
+        return cls(*(torch.cat(column) for column in zip(*parts)))
+
+
 @torch.no_grad()
 def predict_split(model: VisionTransformer, shard_dir, split: str, *, image_size: int, batch_size: int,
-                  normalize: dict, tta: str = "none", rank: int = 0,
-                  world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-view logits [N, V, C] (the views of ``TTA_VIEWS[tta]``; view 0 the image as it is) and
-    labels [N] of the samples of ``split`` that ``rank`` is responsible for, on the CPU; the model
-    runs where its weights are, in float32."""
+                  normalize: dict, tta: str = "none", rank: int = 0, world_size: int = 1) -> Predictions:
+    """The samples of ``split`` that ``rank`` is responsible for, each scored by the mean of its
+    ``TTA_VIEWS[tta]`` views' logits; the model runs where its weights are, in float32."""
     views, device = TTA_VIEWS[tta], next(model.parameters()).device
     black = normalised_black(normalize, device)
     model.eval()
-    logits, labels = [], []
+    parts = []
     for images, y in make_eval_loader(shard_dir, split, batch_size=batch_size, image_size=image_size,
                                       rank=rank, world_size=world_size, augment=normalize, device=device):
-        logits.append(torch.stack([model(apply_view(images, v, black)).float() for v in views], 1).cpu())
-        labels.append(y.cpu())
-    if not logits:
-        return torch.empty(0, len(views), model.config.num_classes), torch.empty(0, dtype=torch.long)
-    return torch.cat(logits), torch.cat(labels)
+        first = model(images).float()  # views[0]: the image itself
+        mean = (first + sum(model(apply_view(images, v, black)).float() for v in views[1:])) / len(views)
+        parts.append(Predictions(mean.cpu(), y.cpu(), first.argmax(1).cpu()))
+    if not parts:
+        return Predictions(torch.empty(0, model.config.num_classes), torch.empty(0, dtype=torch.long),
+                           torch.empty(0, dtype=torch.long))
+    return Predictions.cat(parts)
 
 
-def mean_of_views(views: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """:func:`predict_split`'s per-view logits -> their mean [N, C]; with more than one view, also
-    ``top1_single_view``: what the image alone (view 0) scores, to compare with runs without TTA."""
-    if views.shape[1] == 1:
-        return views[:, 0], {}
-    return views.mean(1), {"top1_single_view": (views[:, 0].argmax(1) == labels).float().mean().item()}
+def single_view_top1(predictions: Predictions, tta: str) -> dict[str, float]:
+    """With test-time views, ``top1_single_view``: what the image alone scores, to compare with runs
+    without them; nothing without."""
+    if len(TTA_VIEWS[tta]) == 1:
+        return {}
+    return {"top1_single_view": (predictions.single == predictions.labels).float().mean().item()}
 
 
 def views_note(tta: str, top1_single_view: float | None) -> str:

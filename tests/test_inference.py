@@ -7,7 +7,8 @@ import torch
 
 from pipeline.data import make_eval_loader, read_dataset_info
 from pipeline.data.transforms import BatchFinish
-from pipeline.inference import TTA_VIEWS, View, apply_view, mean_of_views, normalised_black, predict_split, views_note
+from pipeline.inference import (TTA_VIEWS, View, apply_view, normalised_black, predict_split, single_view_top1,
+                                views_note)
 from pipeline.metrics import classification_metrics
 from pipeline.model import build_vit
 
@@ -38,35 +39,34 @@ def test_a_moved_view_is_the_image_moved_over_black_pixels():
 
 def test_views_are_predicted_as_listed_and_averaged(digits_dir):
     model = digits_model()
-    one, labels = predict(model, digits_dir, "none")
+    alone = predict(model, digits_dir, "none")
     n = read_dataset_info(digits_dir)["counts"]["test"]
-    assert one.shape == (n, 1, 10) and TTA_VIEWS["none"] == (View(),)
+    assert alone.logits.shape == (n, 10) and alone.labels.shape == alone.single.shape == (n,)
+    assert torch.equal(alone.single, alone.logits.argmax(1)) and TTA_VIEWS["none"] == (View(),)
+    assert single_view_top1(alone, "none") == {}  # no views beside the image: nothing to add
     black = normalised_black(NORMALIZE, torch.device("cpu"))
     batches = list(make_eval_loader(digits_dir, "test", batch_size=64, image_size=SIZE, rank=0, world_size=1,
                                     augment=NORMALIZE))
     assert set(TTA_VIEWS) == {"none", "hflip", "shift", "hflip-shift"}
     for tta in ("hflip", "shift", "hflip-shift"):
-        views, same_labels = predict(model, digits_dir, tta)
-        assert views.shape == (n, len(TTA_VIEWS[tta]), 10) and torch.equal(labels, same_labels)
-        assert TTA_VIEWS[tta][0] == View() and len(set(TTA_VIEWS[tta])) == len(TTA_VIEWS[tta])
-        torch.testing.assert_close(views[:, 0], one[:, 0], rtol=0, atol=0)  # the image itself first
+        views = TTA_VIEWS[tta]
+        assert views[0] == View() and len(set(views)) == len(views)  # the image itself first
+        scored = predict(model, digits_dir, tta)
+        assert torch.equal(scored.labels, alone.labels) and torch.equal(scored.single, alone.single)
         with torch.no_grad():
-            for k, view in enumerate(TTA_VIEWS[tta][1:], 1):
-                expected = torch.cat([model(apply_view(x, view, black)) for x, _ in batches])
-                torch.testing.assert_close(views[:, k], expected, rtol=0, atol=0)
-                assert not torch.allclose(views[:, k], views[:, 0])  # digits are neither mirrored nor moved alike
-        logits, single = mean_of_views(views, labels)
-        torch.testing.assert_close(logits, views.mean(1))
-        assert single == {"top1_single_view": classification_metrics(one[:, 0], labels)["top1"]}
-    alone, nothing = mean_of_views(one, labels)  # no views beside the image: nothing to add
-    assert torch.equal(alone, one[:, 0]) and nothing == {}
+            each = torch.stack([torch.cat([model(apply_view(x, v, black)) for x, _ in batches]) for v in views])
+        torch.testing.assert_close(scored.logits, each.mean(0))
+        for k in range(1, len(views)):  # digits are neither mirrored nor moved alike
+            assert not torch.allclose(each[k], each[0])
+        assert single_view_top1(scored, tta) == {"top1_single_view": classification_metrics(alone.logits,
+                                                                                           alone.labels)["top1"]}
     assert views_note("none", None) == "" and views_note("hflip", 0.25) == " (tta hflip; the image alone 0.2500)"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_prediction_matches_cpu(digits_dir):
     """A GPU evaluation task (ray.use_gpu) predicts on its GPU; the logits come back on the CPU."""
-    cpu, labels = predict(digits_model(), digits_dir, "hflip-shift")
-    cuda, cuda_labels = predict(digits_model().cuda(), digits_dir, "hflip-shift")
-    assert cuda.device.type == "cpu" and torch.equal(labels, cuda_labels)
-    torch.testing.assert_close(cuda, cpu, rtol=1e-3, atol=1e-3)
+    cpu = predict(digits_model(), digits_dir, "hflip-shift")
+    cuda = predict(digits_model().cuda(), digits_dir, "hflip-shift")
+    assert all(t.device.type == "cpu" for t in cuda) and torch.equal(cpu.labels, cuda.labels)
+    torch.testing.assert_close(cuda.logits, cpu.logits, rtol=1e-3, atol=1e-3)

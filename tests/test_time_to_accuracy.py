@@ -26,9 +26,9 @@ TRAINED = re.compile(r"^\[\w+\] epoch \d+/\d+ ", re.M)  # the loop's line after 
 def saved_test_top1(model_dir: str, shard_dir, tta: str = "none") -> tuple[float, int]:
     """Test top-1 and sample count of the saved weights, predicted as the evaluate stage predicts."""
     model, meta = load_model(model_dir)
-    views, labels = predict_split(model, shard_dir, "test", image_size=meta["image_size"], batch_size=256,
-                                  normalize=meta["normalize"], tta=tta)
-    return (views.mean(1).argmax(1) == labels).sum().item() / labels.numel(), labels.numel()
+    scored = predict_split(model, shard_dir, "test", image_size=meta["image_size"], batch_size=256,
+                           normalize=meta["normalize"], tta=tta)
+    return (scored.logits.argmax(1) == scored.labels).sum().item() / scored.labels.numel(), scored.labels.numel()
 
 
 def checkpointed_epochs(run_dir) -> list[int]:
