@@ -41,8 +41,7 @@ from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import ConfigError, Params, load_params  # noqa: E402
 from pipeline.data import read_dataset_info  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
-from pipeline.inference import predict_split, single_view_top1, views_note  # noqa: E402
-from pipeline.metrics import classification_metrics  # noqa: E402
+from pipeline.inference import predict_split, scored_metrics, views_note  # noqa: E402
 from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.context import local_device  # noqa: E402
@@ -142,7 +141,7 @@ def evaluate_test(model_dir: Path, shard_dir: Path, params: Params, device: torc
     model, meta = load_model(model_dir)
     scored = predict_split(model.to(device), shard_dir, "test", image_size=meta["image_size"],
                            batch_size=params.evaluate.batch_size, normalize=meta["normalize"], tta=params.evaluate.tta)
-    metrics = {**classification_metrics(scored.logits, scored.labels), **single_view_top1(scored, params.evaluate.tta)}
+    metrics = scored_metrics(scored, params.evaluate.tta)
     return {"test_tta": params.evaluate.tta, "test_images": metrics.pop("num_samples"),
             **{f"test_{k}": v for k, v in metrics.items()}}
 

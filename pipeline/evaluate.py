@@ -14,8 +14,8 @@ from pipeline import storage
 from pipeline.cluster import worker_resources
 from pipeline.config import TRAINING_STAGES, Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info
-from pipeline.inference import Predictions, predict_rank, predict_split, single_view_top1, views_note
-from pipeline.metrics import attention_rollout, classification_metrics, confusion_matrix, per_class
+from pipeline.inference import Predictions, predict_rank, predict_split, scored_metrics, views_note
+from pipeline.metrics import attention_rollout, confusion_matrix, per_class
 from pipeline.model import VisionTransformer, attention_maps, load_model
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_attention, plot_confusion, plot_history
@@ -116,7 +116,7 @@ def evaluate(params: Params) -> dict:
         scored = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
         logits, labels = scored.logits, scored.labels
         check_exactly_once(labels, info, "test")
-        metrics = {**classification_metrics(logits, labels), **single_view_top1(scored, params.evaluate.tta)}
+        metrics = scored_metrics(scored, params.evaluate.tta)
         preds = logits.argmax(1)
         matrix = confusion_matrix(preds, labels, len(classes))
         scores = per_class(matrix, classes)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pipeline.data import make_eval_loader
 from pipeline.data.transforms import resolve_augment
+from pipeline.metrics import classification_metrics
 from pipeline.model import ViTConfig, VisionTransformer
 
 
@@ -84,17 +85,19 @@ def predict_split(model: VisionTransformer, shard_dir, split: str, *, image_size
     return Predictions.cat(parts)
 
 
-def single_view_top1(predictions: Predictions, tta: str) -> dict[str, float]:
-    """With test-time views, ``top1_single_view``: what the image alone scores, to compare with runs
-    without them; nothing without."""
-    if len(TTA_VIEWS[tta]) == 1:
-        return {}
-    return {"top1_single_view": (predictions.single == predictions.labels).float().mean().item()}
+def scored_metrics(predictions: Predictions, tta: str) -> dict[str, float]:
+    """:func:`classification_metrics` of the views' mean; with test-time views also
+    ``top1_single_view``, what the image alone scores, to compare with runs without them."""
+    metrics = classification_metrics(predictions.logits, predictions.labels)
+    if len(TTA_VIEWS[tta]) > 1:
+        metrics["top1_single_view"] = (predictions.single == predictions.labels).float().mean().item()
+    return metrics
 
 
 def views_note(tta: str, top1_single_view: float | None) -> str:
-    """What a printed test top-1 is, beside it: nothing without TTA, else the views and the single view."""
-    return "" if tta == "none" else f" (tta {tta}; the image alone {top1_single_view:.4f})"
+    """What a printed test top-1 is, beside it: nothing without a single-view figure (no test-time
+    views), else the views and the image alone."""
+    return "" if top1_single_view is None else f" (tta {tta}; the image alone {top1_single_view:.4f})"
 
 
 def task_device() -> torch.device:

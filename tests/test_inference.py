@@ -7,7 +7,7 @@ import torch
 
 from pipeline.data import make_eval_loader, read_dataset_info
 from pipeline.data.transforms import BatchFinish
-from pipeline.inference import (TTA_VIEWS, View, apply_view, normalised_black, predict_split, single_view_top1,
+from pipeline.inference import (TTA_VIEWS, View, apply_view, normalised_black, predict_split, scored_metrics,
                                 views_note)
 from pipeline.metrics import classification_metrics
 from pipeline.model import build_vit
@@ -43,7 +43,8 @@ def test_views_are_predicted_as_listed_and_averaged(digits_dir):
     n = read_dataset_info(digits_dir)["counts"]["test"]
     assert alone.logits.shape == (n, 10) and alone.labels.shape == alone.single.shape == (n,)
     assert torch.equal(alone.single, alone.logits.argmax(1)) and TTA_VIEWS["none"] == (View(),)
-    assert single_view_top1(alone, "none") == {}  # no views beside the image: nothing to add
+    plain = classification_metrics(alone.logits, alone.labels)
+    assert scored_metrics(alone, "none") == plain  # no views beside the image: nothing to add
     black = normalised_black(NORMALIZE, torch.device("cpu"))
     batches = list(make_eval_loader(digits_dir, "test", batch_size=64, image_size=SIZE, rank=0, world_size=1,
                                     augment=NORMALIZE))
@@ -58,8 +59,8 @@ def test_views_are_predicted_as_listed_and_averaged(digits_dir):
         torch.testing.assert_close(scored.logits, each.mean(0))
         for k in range(1, len(views)):  # digits are neither mirrored nor moved alike
             assert not torch.allclose(each[k], each[0])
-        assert single_view_top1(scored, tta) == {"top1_single_view": classification_metrics(alone.logits,
-                                                                                           alone.labels)["top1"]}
+        assert scored_metrics(scored, tta) == {**classification_metrics(scored.logits, scored.labels),
+                                             "top1_single_view": plain["top1"]}
     assert views_note("none", None) == "" and views_note("hflip", 0.25) == " (tta hflip; the image alone 0.2500)"
 
 
