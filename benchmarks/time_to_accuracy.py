@@ -43,6 +43,7 @@ from pipeline.data import read_dataset_info  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
 from pipeline.inference import predict_split, scored_metrics, views_note  # noqa: E402
 from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
+from pipeline.plots import plot_history  # noqa: E402
 from pipeline.recipes import recipe_overrides  # noqa: E402
 from pipeline.train.context import local_device  # noqa: E402
 from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noqa: E402
@@ -69,7 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, default=ROOT / ".tta", help="checkpoints and kept models (default: .tta/)")
     ap.add_argument("--max-minutes", type=float, help="stop at the first epoch-end checkpoint after this many minutes "
                     f"of this command (exit {EXIT_RUN_AGAIN}; the same command again continues)")
-    ap.add_argument("--out", type=Path, help="write the report as JSON here")
+    ap.add_argument("--out", type=Path, help="write the report as JSON here (each stage's per-epoch history "
+                    "included) and its training curves as NAME_curves.png beside it")
     return ap.parse_args(argv)
 
 
@@ -123,7 +125,7 @@ def train_stage(stage: str, params: Params, shard_dir: Path, info: dict, model: 
     result = fit(spec, params, model, step_hooks=hooks)
     model_dir = save_model(result.model, Path(params.ray.storage_path) / spec.run_name / "model",
                            extra=model_meta(stage, recipe, info, spec.run_name))
-    report = {"run": spec.run_name, **stage_summary(result), **pace(result.history)}
+    report = {"run": spec.run_name, **stage_summary(result), **pace(result.history), "history": result.history}
     return report, model_dir
 
 
@@ -202,7 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
+        plot_history({stage: s["history"] for stage, s in report["stages"].items()}, curves_path(args.out))
     return 0
+
+
+def curves_path(out: Path) -> Path:
+    """Where ``--out NAME.json``'s training curves go: ``NAME_curves.png`` beside it."""
+    return out.with_name(f"{out.stem}_curves.png")
 
 
 if __name__ == "__main__":

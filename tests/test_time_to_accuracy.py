@@ -60,6 +60,13 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
     assert f"test     : top-1 {report['test_top1']:.4f}" in second.stdout
     assert report["test_images"] == read_dataset_info(digits_dir)["counts"]["test"]
     assert (report["stages"]["pretrain"]["epoch"], report["stages"]["finetune"]["epoch"]) == (3, 1)
+    pretrain = report["stages"]["pretrain"]  # every epoch's row, the first launch's two included
+    assert [row["epoch"] for row in pretrain["history"]] == [1, 2, 3]
+    assert [row["epoch"] for row in report["stages"]["finetune"]["history"]] == [1]
+    last = pretrain["history"][-1]
+    assert (last["val_top1"], last["wall_time_s"], last["images_seen"]) == \
+        (pretrain["val_top1"], pretrain["wall_time_s"], pretrain["images_seen"])
+    assert (tmp_path / "tta_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # beside --out
     assert all(s["wall_time_s"] > 0 for s in report["stages"].values())
     for stage, s in report["stages"].items():  # the loop's pace: medians over its epochs
         assert s["images_per_s"] > 0 and 0 < s["input_wait_share"] < 1
