@@ -122,10 +122,13 @@ def filesystem(url: str):
     import fsspec
 
     try:
-        return fsspec.core.url_to_fs(str(url))
+        fs, root = fsspec.core.url_to_fs(str(url))
     except (ImportError, ValueError) as exc:  # a scheme fsspec does not know, or whose package is missing
         raise ValueError(f"{url}: cannot open this URL ({exc}); local paths and s3:// URLs work with the "
                          f"pipeline's packages") from None
+    if "s3" in fs.protocol and not root.strip("/"):  # before: "Cannot traverse all of S3", naming no URL
+        raise ValueError(f"{url}: names no bucket (valid: s3://BUCKET or s3://BUCKET/PREFIX)")
+    return fs, root
 
 
 def file_sizes(folder) -> dict[str, int]:

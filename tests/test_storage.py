@@ -40,7 +40,8 @@ def _tree(d: Path) -> dict[str, bytes]:
     (["ls", "{tmp}/none"], "error: FileNotFoundError: nothing under {tmp}/none"),
     (["ls", "gs://bucket/x"], "error: ValueError: gs://bucket/x: cannot open this URL (Please install gcsfs"),
     (["pull", "foo://bucket/x", "{tmp}/y"], "error: ValueError: foo://bucket/x: cannot open this URL (Protocol not"),
-], ids=["ls-nothing", "scheme-without-package", "unknown-scheme"])
+    (["push", "{tmp}", "s3://"], "error: ValueError: s3://: names no bucket (valid: s3://BUCKET or s3://BUCKET/"),
+], ids=["ls-nothing", "scheme-without-package", "unknown-scheme", "s3-without-bucket"])
 def test_cli_bad_location_is_one_line(tmp_path, capsys, argv, needle):
     """`vit-pipeline storage` on nothing, or on a URL scheme this install cannot open: exit 1 in one line
     (before: `ls` printed nothing and exited 0, a gs:// URL ended in an ImportError traceback)."""
