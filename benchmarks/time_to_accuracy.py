@@ -84,7 +84,10 @@ def load_recipe(args: argparse.Namespace) -> Params:
     """The merged params, forced to run in this process with checkpoints under --workdir."""
     overrides = recipe_overrides(args.recipe, args.set)
     overrides.update({"ray.backend": "local", "ray.storage_path": str(args.workdir.resolve())})
-    return load_params(args.params, overrides=overrides)
+    try:
+        return load_params(args.params, overrides=overrides)
+    except ConfigError as exc:  # name the recipe, where the bad value most likely is (as `vit-pipeline recipe`)
+        raise ConfigError(f"{args.recipe}: {exc}" if args.recipe else str(exc)) from None
 
 
 def training_device(params: Params) -> torch.device:

@@ -91,10 +91,15 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
                                 "--set", "pretrain.nope=1")
     no_gpu = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
                                "--set", "ray.use_gpu=true")  # this machine has no CUDA device
+    recipe = tmp_path / "bad-recipe.yaml"
+    recipe.write_text("pretrain:\n  augment: {auto_augment: autoaugment}\n")
+    bad_value = run_as_on_gpu_box(SCRIPT, "--recipe", recipe, "--shards", digits_dir, "--workdir", tmp_path / "work")
     for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope"),
-                        (no_gpu, "ray.use_gpu: true")):
+                        (no_gpu, "ray.use_gpu: true"),
+                        (bad_value, "pretrain.augment.auto_augment='autoaugment'; valid: ")):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
         assert proc.stderr.startswith("error: ") and names in proc.stderr and proc.stderr.count("\n") == 1
+    assert bad_value.stderr.startswith(f"error: {recipe}: ")  # the recipe named, not only params.yaml
     # a recipe that diverges: the local runner stops at the first non-finite step, the driver says so
     diverged = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
                                  "--set", "pretrain.lr=10000", "--set", "pretrain.warmup_epochs=0",
