@@ -29,10 +29,10 @@ from torchvision.transforms import v2
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import ConfigError, TrainConfig, load_params  # noqa: E402
+from pipeline.config import ConfigError, TrainConfig  # noqa: E402
 from pipeline.data.transforms import AUTO_AUGMENT_TRANSFORMS  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
-from pipeline.recipes import recipe_overrides  # noqa: E402
+from pipeline.recipes import load_recipe_params  # noqa: E402
 from pipeline.train.optim import NO_DECAY_NAMES  # noqa: E402
 from pipeline.train.techniques import amp_dtype, autocast  # noqa: E402
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: cuda when there is a GPU")
     args = ap.parse_args(argv)
     try:
-        params = load_params(args.params, overrides=recipe_overrides(args.recipe, args.set))
+        params = load_recipe_params(args.params, args.recipe, args.set)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device here (--device cpu)")
         for split in ("train", "test"):

@@ -38,13 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
-from pipeline.config import ConfigError, Params, load_params  # noqa: E402
+from pipeline.config import ConfigError, Params  # noqa: E402
 from pipeline.data import read_dataset_info  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
 from pipeline.inference import predict_split, scored_metrics, views_note  # noqa: E402
 from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
 from pipeline.plots import plot_history  # noqa: E402
-from pipeline.recipes import recipe_overrides  # noqa: E402
+from pipeline.recipes import load_recipe_params  # noqa: E402
 from pipeline.train.context import local_device  # noqa: E402
 from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noqa: E402
 from pipeline.train.driver import TrainingDiverged, fit  # noqa: E402
@@ -82,12 +82,8 @@ def fail(message: object) -> int:
 
 def load_recipe(args: argparse.Namespace) -> Params:
     """The merged params, forced to run in this process with checkpoints under --workdir."""
-    overrides = recipe_overrides(args.recipe, args.set)
-    overrides.update({"ray.backend": "local", "ray.storage_path": str(args.workdir.resolve())})
-    try:
-        return load_params(args.params, overrides=overrides)
-    except ConfigError as exc:  # name the recipe, where the bad value most likely is (as `vit-pipeline recipe`)
-        raise ConfigError(f"{args.recipe}: {exc}" if args.recipe else str(exc)) from None
+    return load_recipe_params(args.params, args.recipe, args.set,
+                              forced={"ray.backend": "local", "ray.storage_path": str(args.workdir.resolve())})
 
 
 def training_device(params: Params) -> torch.device:

@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
-from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, ConfigError, load_params  # noqa: E402
+from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, ConfigError  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
 from pipeline.environment import cpu_name, device_name  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
-from pipeline.recipes import recipe_overrides  # noqa: E402
+from pipeline.recipes import load_recipe_params  # noqa: E402
 from pipeline.train.loop_config import LoopConfig  # noqa: E402
 from pipeline.train.step import Stepper  # noqa: E402
 from pipeline.training import plan_stage  # noqa: E402
@@ -261,9 +261,8 @@ def main() -> None:
     args = ap.parse_args()
 
     try:
-        overrides = recipe_overrides(args.recipe, args.set)
-        overrides["ray.backend"] = "local"  # one rank: the whole global batch on this device
-        params = load_params(args.params, overrides=overrides)
+        # ray.backend local: one rank, the whole global batch on this device
+        params = load_recipe_params(args.params, args.recipe, args.set, forced={"ray.backend": "local"})
         shard_dir = args.shards
         if args.cifar:
             shard_dir = cifar_shards(args.shards, getattr(params.data, args.stage), args.cifar_tarball)

@@ -13,7 +13,7 @@ import sys
 
 import yaml
 
-from pipeline.config import ConfigError, flatten, load_params, read_partial_params, yaml_problem
+from pipeline.config import ConfigError, Params, flatten, load_params, read_partial_params, yaml_problem
 
 
 def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object]:
@@ -44,6 +44,17 @@ def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object
     return flat
 
 
+def load_recipe_params(params_path, recipe: str | None, sets: list[str] = (),
+                       forced: dict[str, object] | None = None) -> Params:
+    """``params_path`` with the recipe, then the ``--set``s, then ``forced`` (a caller's own settings) on
+    top, checked. A bad value names the recipe first: that is where it most likely is."""
+    overrides = {**recipe_overrides(recipe, sets), **(forced or {})}
+    try:
+        return load_params(params_path, overrides=overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{recipe}: {exc}" if recipe else str(exc)) from None
+
+
 def override_value(value: object) -> str:
     """A value in the override grammar `dvc exp run -S` parses (Hydra's): JSON, except that dict keys
     are bare (``{auto_augment: "randaugment"}``; a quoted key is a syntax error there)."""
@@ -63,13 +74,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.recipes"
     args = ap.parse_args(argv)
     try:
         overrides = recipe_overrides(args.recipe, args.set)
+        load_recipe_params(args.params, args.recipe, args.set)
     except ConfigError as exc:  # names the recipe or the --set
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        load_params(args.params, overrides=overrides)
-    except ConfigError as exc:
-        print(f"error: {args.recipe}: {exc}", file=sys.stderr)
         return 2
     with open(args.params) as f:
         present = set(flatten(yaml.safe_load(f) or {}))
