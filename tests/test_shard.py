@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import os
 import subprocess
 import sys
@@ -121,6 +122,31 @@ def test_bad_params(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         shard_dataset(tmp_path / "x", DataConfig(**kw))
     assert list(tmp_path.iterdir()) == []
+
+
+def _folder_without_classes(root: Path) -> None:
+    (root / "train").mkdir(parents=True)
+    (root / "test").mkdir()
+
+
+@pytest.mark.parametrize("make, kw, match", [
+    (lambda root: None, {}, r"imagefolder root {root} does not exist; expected root/<class>/<image> or "),
+    (lambda root: root.write_text("x"), {}, r"imagefolder root {root} is a file, not a directory"),
+    (lambda root: root.mkdir(), {}, r"imagefolder root {root} has no class directories; expected root/<class>"),
+    (_folder_without_classes, {}, r"imagefolder root {root}: no class directories under \['test', 'train'\]"),
+    (lambda root: (make_imagefolder(root), (root / "cow").mkdir()), {},
+     r"class directory {root}/cow is empty; expected image files with extensions \['.bmp'"),
+    (make_imagefolder, dict(class_names=["cat", "dog"]),
+     r"class directories \['eel'\] under {root} are not in class_names \['cat', 'dog'\]"),
+], ids=["missing", "a-file", "no-classes", "splits-without-classes", "empty-class", "unknown-class"])
+def test_imagefolder_bad_layout_names_the_folder_and_the_layout(tmp_path, make, kw, match):
+    """Every way an imagefolder root can be wrong names the folder and what is expected, before any shard
+    is written (before: split directories without classes ended in "the train split is empty")."""
+    root = tmp_path / "src"
+    make(root)
+    with pytest.raises((ValueError, FileNotFoundError), match="^" + match.format(root=re.escape(str(root)))):
+        shard_dataset(tmp_path / "out", DataConfig(source="imagefolder", root=root, **kw))
+    assert not (tmp_path / "out").exists()
 
 
 def test_imagefolder_keeps_bytes_and_reencodes_others(tmp_path):

@@ -55,6 +55,9 @@ def imagefolder_listing(*, root, seed, val_fraction, test_fraction, class_names,
     root = Path(root)
     layout = list_imagefolder(root)
     found = sorted({c for per_class in layout.values() for c in per_class})
+    if not found:  # split directories with no class directories in them
+        raise ValueError(f"imagefolder root {root}: no class directories under {sorted(layout)} "
+                         f"(its split directories); expected {LAYOUT}")
     for split, per_class in layout.items():
         for c, files in per_class.items():
             if not files:
