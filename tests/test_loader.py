@@ -1,6 +1,7 @@
 """Train / eval loaders over real tars: world-size invariance, disjoint ranks, exactly-once eval, augment."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -401,7 +402,9 @@ def test_all_augments_build_and_run(digits_dir):
 
 
 def test_missing_shard_dir(tmp_path):
-    with pytest.raises(FileNotFoundError, match="dataset.json"):
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"{tmp_path / 'nope' / 'dataset.json'} not found: {tmp_path / 'nope'} holds no shard stage's output; "
+            "run the shard stage first (dvc repro, or python -m stages.shard nope)")):
         read_dataset_info(tmp_path / "nope")
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / "dataset.json").write_text('{"classes": ["a", ')

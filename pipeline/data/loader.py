@@ -49,7 +49,8 @@ def read_dataset_info(shard_dir) -> dict:
     """Load dataset.json from a shard directory or URL prefix (s3://..., memory://...)."""
     path = _join(shard_dir, "dataset.json")
     if not is_url(shard_dir) and not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: is {shard_dir} the output of shard_dataset()?")
+        raise FileNotFoundError(f"{path} not found: {shard_dir} holds no shard stage's output; "
+                                f"{_reshard(shard_dir, 'first')}")
     import fsspec
     with fsspec.open(path, "rt") as f:
         try:
@@ -58,10 +59,10 @@ def read_dataset_info(shard_dir) -> dict:
             raise ValueError(f"{path}: not valid JSON ({exc}); {_reshard(shard_dir)}") from None
 
 
-def _reshard(shard_dir) -> str:
-    """What to do about a damaged shard directory."""
+def _reshard(shard_dir, when: str = "again") -> str:
+    """What to do about a missing or damaged shard directory."""
     name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
-    return f"run the shard stage again (dvc repro, or python -m stages.shard {name})"
+    return f"run the shard stage {when} (dvc repro, or python -m stages.shard {name})"
 
 
 def check_shard_files(shard_dir, info: dict) -> None:
