@@ -223,8 +223,8 @@ def test_save_load_roundtrip(tmp_path):
         "invalid-field"])
 def test_damaged_model_directory_names_the_file(tmp_path, name, damage, needle):
     """A stage's model output damaged after it was written: one ModelFileError naming the file and what
-    to do (the stage prints it as one line); a missing file stays FileNotFoundError."""
-    from pipeline.model.io import ModelFileError
+    to do (the stage prints it as one line); a missing file stays FileNotFoundError, naming it and what to do."""
+    from pipeline.model.io import REDO, ModelFileError
     save_model(nano(), tmp_path / "m")
     path = tmp_path / "m" / name
     path.write_bytes(damage(path.read_bytes()))
@@ -234,8 +234,9 @@ def test_damaged_model_directory_names_the_file(tmp_path, name, damage, needle):
     assert message.startswith(str(tmp_path / "m" / ("model.safetensors" if needle == "does not fit" else name)))
     assert needle in message and message.endswith("dvc repro re-runs the stage that wrote it)"), message
     path.unlink()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as err:
         load_model(tmp_path / "m")
+    assert (err.value.filename, err.value.strerror) == (str(path), "not found; " + REDO)
 
 
 # ----------------------------------------------------------------------------- conversion parity

@@ -6,6 +6,7 @@ into place, so a crash never leaves a half-written checkpoint under the real nam
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -32,11 +33,13 @@ class ModelFileError(ValueError):
 
 
 def read_model_file(path: Path, loader: Callable[[Path], Any], redo: str = REDO) -> Any:
-    """``loader(path)``; a corrupt or incomplete file becomes a :class:`ModelFileError` naming it (a
-    missing one stays ``FileNotFoundError``)."""
+    """``loader(path)``; a corrupt or incomplete file becomes a :class:`ModelFileError` naming it, a
+    missing one a ``FileNotFoundError`` that also says what to do (``redo``)."""
     try:
         return loader(path)
-    except (FileNotFoundError, ModelFileError):
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"not found; {redo}", str(path)) from None
+    except ModelFileError:
         raise
     except Exception as exc:  # json, safetensors and torch each raise their own types for a damaged file
         raise ModelFileError(f"{path}: cannot be loaded, the file is corrupt or incomplete "
