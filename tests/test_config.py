@@ -111,6 +111,21 @@ def test_stage_exits_nonzero_with_message_before_any_work(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("stage, line", [
+    ("pretrain", "error: data/shards/pretrain/dataset.json not found: data/shards/pretrain holds no shard stage's "
+                 "output; run the shard stage first (dvc repro, or python -m stages.shard pretrain)\n"),
+    ("export", "error: models/finetune/config.json: not found; write it again (a stage's output: dvc repro "
+               "re-runs the stage that wrote it)\n"),
+])
+def test_stage_before_its_input_says_what_to_run(tmp_path, stage, line):
+    """README "When things go wrong": a stage run in a checkout where the stage before it never ran."""
+    proc = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=tmp_path, capture_output=True, text=True,
+                          env={"VIT_PARAMS": str(ROOT / "params.yaml"), "PYTHONPATH": str(ROOT),
+                               "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert (proc.returncode, proc.stderr) == (1, line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".stage-locks"]  # nothing else written
+
+
 @pytest.mark.parametrize("text", ["", "# all commented out\n# pretrain:\n#   lr: 0.1\n"])
 def test_empty_params_file_is_an_error(tmp_path, text):
     (tmp_path / "params.yaml").write_text(text)
