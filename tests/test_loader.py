@@ -404,12 +404,16 @@ def test_all_augments_build_and_run(digits_dir):
 def test_missing_shard_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(
             f"{tmp_path / 'nope' / 'dataset.json'} not found: {tmp_path / 'nope'} holds no shard stage's output; "
-            "run the shard stage first (dvc repro, or python -m stages.shard nope)")):
+            "write it first with the shard stage or pipeline.data.shard_dataset()")):
         read_dataset_info(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=re.escape(  # a stage's own folder: the stage's command
+            "finetune holds no shard stage's output; run the shard stage first (dvc repro, or python -m "
+            "stages.shard finetune)")):
+        read_dataset_info(tmp_path / "finetune")
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / "dataset.json").write_text('{"classes": ["a", ')
     with pytest.raises(ValueError, match=f"^{tmp_path / 'cut' / 'dataset.json'}: not valid JSON .*"
-                                         "python -m stages.shard cut"):
+                                         r"write it again with the shard stage or pipeline.data.shard_dataset\(\)$"):
         read_dataset_info(tmp_path / "cut")
 
 
@@ -442,7 +446,7 @@ def test_shard_files_checked_against_dataset_json(tmp_path, digits_dir):
     with pytest.raises(TarFormatError) as cut:
         check_shard_files(shards, info)
     assert f"{path}: 5,120 bytes, but the shard stage wrote {victim['bytes']:,}" in str(cut.value)
-    assert "python -m stages.shard shards" in str(cut.value)
+    assert str(cut.value).endswith("write it again with the shard stage or pipeline.data.shard_dataset()")
     check_shard_files(shards, {"shards": {"train": [{k: v for k, v in victim.items() if k != "bytes"}]}})
     path.unlink()
     with pytest.raises(FileNotFoundError, match="shard missing") as gone:

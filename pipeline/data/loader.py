@@ -25,6 +25,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from pipeline.config import TRAINING_STAGES
 from pipeline.storage import file_sizes, is_url, join as _join
 
 from .codec import IMAGE_KEYS, decode
@@ -60,8 +61,11 @@ def read_dataset_info(shard_dir) -> dict:
 
 
 def _reshard(shard_dir, when: str = "again") -> str:
-    """What to do about a missing or damaged shard directory."""
+    """What to do about a missing or damaged shard directory: the shard stage's command where the
+    folder is named as one of its outputs (data/shards/<stage>), else the function it runs."""
     name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
+    if name not in TRAINING_STAGES:
+        return f"write it {when} with the shard stage or pipeline.data.shard_dataset()"
     return f"run the shard stage {when} (dvc repro, or python -m stages.shard {name})"
 
 
