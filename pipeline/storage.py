@@ -126,7 +126,7 @@ def filesystem(url: str):
     except (ImportError, ValueError) as exc:  # a scheme fsspec does not know, or whose package is missing
         raise ValueError(f"{url}: cannot open this URL ({exc}); local paths and s3:// URLs work with the "
                          f"pipeline's packages") from None
-    if "s3" in fs.protocol and not root.strip("/"):  # before: "Cannot traverse all of S3", naming no URL
+    if str(url).split("://", 1)[0] in ("s3", "s3a") and not root.strip("/"):  # fsspec: "Cannot traverse all of S3"
         raise ValueError(f"{url}: names no bucket (valid: s3://BUCKET or s3://BUCKET/PREFIX)")
     return fs, root
 
