@@ -4,8 +4,9 @@ Train: world-size invariant. Samples flow through ``num_streams`` virtual stream
 :mod:`.streams`); global batch b is chunk b of every stream, rank r gets the streams g % W == r,
 and every sample's augmentation is seeded by (seed, epoch, pass, key). So W = 1 and W = 2 runs
 with the same global batch, seed and num_streams see the same samples, with the same pixels, in
-every global step. Every rank yields exactly ``steps_per_epoch`` full batches (streams cycle), and
-ranks read disjoint shards when there are at least num_streams of them. DataLoader workers take
+every global step. Every rank yields exactly ``steps_per_epoch`` full batches (streams cycle), no
+sample twice within an epoch, and ranks read disjoint samples (whole shards but those where the
+streams' ranges meet, when there are at least num_streams shards). DataLoader workers take
 turns at whole parcels of consecutive steps, so any worker count gives the same batches. Workers
 crop, flip and auto-augment and ship uint8 pixels; the training device converts, normalises and
 erases (:mod:`.device_augment`), a parcel at a time, and hands out its steps one by one.
@@ -85,13 +86,15 @@ def check_shard_files(shard_dir, info: dict) -> None:
 
 
 def eval_reader_shards(shards: list, rank: int, world_size: int, worker: int, num_workers: int):
-    """Shards one eval reader opens, plus ``(slot, n_slots)`` for a key-index modulo filter (or None)."""
+    """Shards one eval reader opens, plus ``(slot, n_slots)`` for a key-index modulo filter (or None).
+    With fewer shards than ranks, rank r's readers take the keys ≡ r (mod W) between them, the count
+    :func:`_rank_samples` gives whatever the worker count."""
     if len(shards) >= world_size:
         mine = shards[rank::world_size]
         if len(mine) >= num_workers:
             return mine[worker::num_workers], None
         return mine, (worker, num_workers)
-    return list(shards), (rank * num_workers + worker, world_size * num_workers)
+    return list(shards), (rank + world_size * worker, world_size * num_workers)
 
 
 class _ShardStream(IterableDataset):
@@ -218,10 +221,10 @@ class _TrainSteps(IterableDataset):
     own seed only, so the parcel size changes no batch.
     """
 
-    def __init__(self, urls, *, rank, world_size, num_streams, chunk, steps, seed, epoch, last_epoch,
+    def __init__(self, shards, *, rank, world_size, num_streams, chunk, steps, seed, epoch, last_epoch,
                  start_batch, image_size, augment, return_keys, parcel):
         super().__init__()
-        self.urls, self.rank, self.world_size, self.num_streams = list(urls), rank, world_size, num_streams
+        self.shards, self.rank, self.world_size, self.num_streams = list(shards), rank, world_size, num_streams
         self.chunk, self.steps, self.seed, self.return_keys, self.parcel = chunk, steps, seed, return_keys, parcel
         self.epochs, self.start_batch = range(epoch, last_epoch + 1), start_batch
         self.transform = SampleTransform(image_size, augment, train=True)
@@ -231,11 +234,11 @@ class _TrainSteps(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         mine = reader_streams(self.num_streams, self.rank, self.world_size)
-        local = not any(is_url(u) or u.startswith("pipe:") for u in self.urls)
+        local = not any(is_url(u) or u.startswith("pipe:") for u, _ in self.shards)
         read = IndexedShards() if local else tarfile_samples  # local tars: read only the samples we decode
         k, samples, epochs = 0, [], []  # steps so far; the samples of this worker's parcel being filled
         for epoch in self.epochs:
-            streams = open_streams(self.urls, mine, self.num_streams, seed=self.seed, epoch=epoch, read=read)
+            streams = open_streams(self.shards, mine, self.num_streams, seed=self.seed, epoch=epoch, read=read)
             first = self.start_batch if epoch == self.epochs.start else 0
             for b in range(self.steps):
                 raw = [sample for stream in streams for sample in islice(stream, self.chunk)]
@@ -333,7 +336,7 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
     total = sum(s["count"] for s in shards)
     if len(urls) < num_streams and total < num_streams:
         raise ValueError(f"{shard_dir} has {total} train samples, fewer than num_streams={num_streams}")
-    ds = _TrainSteps(urls, rank=rank, world_size=world_size, num_streams=num_streams,
+    ds = _TrainSteps([(url, s["count"]) for url, s in zip(urls, shards)], rank=rank, world_size=world_size, num_streams=num_streams,
                      chunk=batch_size * world_size // num_streams, steps=steps_per_epoch, seed=seed,
                      epoch=epoch, last_epoch=last_epoch, start_batch=start_batch, image_size=image_size,
                      augment=augment, return_keys=return_keys,
