@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import re
 import os
 import subprocess
@@ -122,6 +123,18 @@ def test_bad_params(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         shard_dataset(tmp_path / "x", DataConfig(**kw))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("n, val_fraction, test_fraction", [(100, 0.1, 0.15), (1000, 0.1, 0.3), (2000, 0.05, 0.3),
+                                                             (3000, 0.1, 0.2), (1797, 0.1, 0.2)])
+def test_carved_splits_take_their_fractions_of_the_whole(n, val_fraction, test_fraction):
+    """Each carved split holds ceil(fraction x N) samples, not one more where floating point lands a whole
+    count just above itself (0.15 x 100 = 15.000000000000002); the three are disjoint and cover N."""
+    from pipeline.data.splits import carve_splits
+    splits = carve_splits(np.arange(n) % 3, 0, val_fraction, test_fraction)
+    assert len(splits["val"]) == math.ceil(round(val_fraction * n, 6))
+    assert len(splits["test"]) == math.ceil(round(test_fraction * n, 6))
+    assert sorted(np.concatenate(list(splits.values())).tolist()) == list(range(n))
 
 
 def _folder_without_classes(root: Path) -> None:
@@ -505,3 +518,36 @@ def test_shard_benchmark_runs_on_a_small_imagefolder(tmp_path):
     assert int(rate[2]) == sum(len(v) for v in info["shards"].values()) == len(list((tmp_path / "out").glob("*.tar")))
     assert int(rate[3]) > 0
     assert re.search(r"peak RSS \d+ MB \(after imports \d+ MB; sharding adds -?\d+ MB\)", proc.stdout), proc.stdout
+
+
+def test_deep_grayscale_is_scaled_to_8_bits_and_float_images_are_skipped(tmp_path):
+    """16-bit PNG and PGM inputs (PIL modes I;16 and I) shard, both encodings decode to each value's
+    high byte (not clipped at 255), and the pixel stats are those pixels'; a float TIFF is a bad image."""
+    import pyarrow.parquet as pq
+    import torch
+    from PIL import Image
+
+    from pipeline.data import tario
+    from pipeline.data.loader import decode_sample
+    root = make_imagefolder(tmp_path / "in", per_class=3)
+    ramp = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1024)  # 0 .. 64512: high bytes 0, 4, .. 252
+    Image.fromarray(ramp).save(root / "cat" / "deep.png")
+    (root / "dog" / "deep.pgm").write_bytes(b"P5\n8 8\n65535\n" + (ramp + 700).astype(">u2").tobytes())
+    Image.fromarray(np.full((8, 8), 0.5, np.float32)).save(root / "eel" / "float.tif")
+    for encoding in ("source", "raw"):
+        out = tmp_path / encoding
+        info = shard_dataset(out, DataConfig(source="imagefolder", root=root, encoding=encoding, val_fraction=0,
+                                             test_fraction=0, max_bad_fraction=0.1))
+        bad = json.loads((out / "bad_files.json").read_text())
+        assert [b["path"] for b in bad] == ["eel/float.tif"] and "mode F" in bad[0]["error"]
+        manifest = pq.read_table(out / "manifest.parquet", columns=["key", "source_path"]).to_pydict()
+        name_of = {k: Path(p).name for k, p in zip(manifest["key"], manifest["source_path"])}
+        decoded = {s["__key__"]: decode_sample(s)[0] for s in tario.tarfile_samples(
+            [{"url": str(out / sh["name"])} for sh in info["shards"]["train"]])}
+        for name, values in (("deep.png", ramp), ("deep.pgm", ramp + 700)):
+            want = torch.from_numpy((values >> 8).astype(np.uint8)).expand(3, 8, 8)
+            [got] = [img for key, img in decoded.items() if name_of[key] == name]
+            assert torch.equal(got, want), (encoding, name)
+        pixels = torch.cat([img.flatten(1) for img in decoded.values()], 1).double() / 255
+        np.testing.assert_allclose(info["pixel_stats"]["mean"], pixels.mean(1), atol=2e-6)
+        np.testing.assert_allclose(info["pixel_stats"]["std"], pixels.std(1, correction=0), atol=2e-6)

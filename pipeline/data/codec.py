@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import webdataset as wds
 from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.v2.functional import to_dtype
 
 IMAGE_KEYS = "ppm;png;jpg;jpeg;webp"  # the sample fields that hold the image, in lookup order
 _PIL_RGB8 = wds.imagehandler("torchrgb8")
@@ -18,7 +19,8 @@ _PIL_RGB8 = wds.imagehandler("torchrgb8")
 
 def decode(ext: str, data: bytes) -> torch.Tensor:
     """Image bytes -> uint8 RGB ``[3, H, W]``. torchvision.io (libjpeg-turbo/libpng) is ~3x faster
-    than PIL at 32 px; other formats and 16-bit PNGs fall back to webdataset's PIL handler."""
+    than PIL at 32 px; a 16-bit PNG keeps each value's high byte (PIL's RGB conversion would clip
+    16-bit grayscale at 255); other formats fall back to webdataset's PIL handler."""
     if ext == "ppm":
         img = _decode_ppm(data)
     else:
@@ -26,6 +28,8 @@ def decode(ext: str, data: bytes) -> torch.Tensor:
             img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
         except RuntimeError:
             img = None
+    if img is not None and img.dtype == torch.uint16:
+        img = to_dtype(img, torch.uint8, scale=True)  # v >> 8
     if img is None or img.dtype != torch.uint8:
         img = _PIL_RGB8(ext, data)
     return img

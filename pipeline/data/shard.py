@@ -84,6 +84,21 @@ def stats_from_histogram(hist: np.ndarray) -> dict:
     return {"split": STATS_SPLIT, "mean": [round(float(v), 6) for v in mean], "std": [round(float(v), 6) for v in std]}
 
 
+DEEP_GRAY = ("I", "I;16", "I;16B", "I;16L", "I;16N")  # PIL's 16- and 32-bit integer grayscale modes
+
+
+def eight_bit(img: Image.Image) -> Image.Image:
+    """Deep grayscale (a 16-bit PNG, PGM or TIFF) as 8-bit by its high byte: what the loader decodes
+    from a 16-bit PNG (:func:`.codec.decode`), so the pixel stats are those of the pixels trained on.
+    PIL's own conversion clips at 255 instead of scaling. Float pixels have no range to scale by."""
+    if img.mode == "F":
+        raise BadImage("32-bit float pixels (PIL mode F) have no 8-bit scale; store the image as 8- or 16-bit")
+    if img.mode not in DEEP_GRAY:
+        return img
+    high = np.asarray(img).astype(np.int64) >> 8  # 32-bit values beyond 16 bits saturate
+    return Image.fromarray(np.clip(high, 0, 255).astype(np.uint8), "L")
+
+
 def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding: str = "source"):
     """Return (extension, bytes, pixel histogram or None) for one record; raise BadImage if it does not decode.
 
@@ -104,13 +119,14 @@ def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding:
         except Exception as exn:  # PIL raises many types for corrupt/truncated data
             raise BadImage(bad_image_reason(exn, rec.source_path)) from exn
         raw = data
+    img = eight_bit(img)  # a 16-bit PNG's bytes stay as they are: the loader decodes the same high bytes
     if max_side and max(img.size) > max_side:
         img = img.copy()
         img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
         raw = None
     if fmt not in KEEP_FORMATS:
         fmt, raw = "PNG", None
-        if img.mode not in ("1", "L", "LA", "I", "P", "RGB", "RGBA"):
+        if img.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):
             img = img.convert("RGB")
     ext, data = KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt)
     if encoding == "raw":

@@ -43,7 +43,7 @@ def take_fraction(idx: np.ndarray, labels: np.ndarray, frac: float, seed: int) -
     """Split ``idx`` into (rest, taken) with ``frac`` taken, stratified when every class allows it."""
     if frac <= 0 or idx.size == 0:
         return idx, idx[:0]
-    n_take = math.ceil(frac * idx.size)
+    n_take = math.ceil(frac * idx.size - 1e-9)  # 0.15 * 100 is 15.000000000000002 in floating point: 15, not 16
     if n_take >= idx.size:
         raise ValueError(f"fraction {frac} of {idx.size} samples leaves nothing for the remaining split")
     from sklearn.model_selection import train_test_split  # 2-3 s to import: only sharding pays it, not every stage
