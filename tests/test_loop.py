@@ -562,3 +562,64 @@ def test_one_val_batch_runs_before_the_first_step(digits_dir, tmp_path):
     with pytest.raises(Exception, match="val-000000.tar"):
         run_loop(cfg, run, LocalContext(str(tmp_path / "run"), use_gpu=False, keep=1))
     assert not log.exists() or log.read_text() == ""
+
+
+def test_a_launch_resumed_mid_epoch_keeps_the_time_before_its_checkpoint(digits_dir, tmp_path):
+    """``wall_time_s`` (and with it the thresholds' times and a budget's spent time) counts the steps
+    trained before a mid-epoch checkpoint: resumed there, the run reports the time of the whole run."""
+    from pipeline.train.checkpoint import load_state
+    from pipeline.train.context import LocalContext, list_checkpoints
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import run_loop
+
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), epochs=2, checkpoint_every_steps=2),
+                              shard_dir=str(digits_dir), steps_per_epoch=4)
+    run = LoopRun(init_state=model.state_dict(), step_hooks=("tests.test_loop:sleep_step=0.3",))
+
+    def train(run_dir, resume_from=None) -> list[dict]:
+        run_loop(cfg, run, LocalContext(str(run_dir), use_gpu=False, keep=10, resume_from=resume_from))
+        return [load_state(run_dir / name) for name in list_checkpoints(str(run_dir))]
+
+    whole = train(tmp_path / "whole")
+    [mid] = [name for name, c in zip(list_checkpoints(str(tmp_path / "whole")), whole)
+             if (c["epoch"], c["batch_in_epoch"]) == (0, 2)]
+    resumed = train(tmp_path / "resumed", resume_from=str(tmp_path / "whole" / mid))[-1]
+    walls = [[h["wall_time_s"] for h in c["history"]] for c in (whole[-1], resumed)]
+    assert walls[1][0] >= 4 * 0.3 and walls[1][1] >= 8 * 0.3  # every step's sleep, the 2 before the resume too
+    assert abs(walls[1][1] - walls[0][1]) < 0.5, walls
+
+
+def launch_cost(step: int, ctx, seconds: str) -> None:
+    """A step hook: ``seconds`` before a launch's first step (as its compiles and first calls would take),
+    0.05 s before every step, and a stop before step 10, after a 3-epoch warm-up's plan."""
+    if not getattr(ctx, "launched", False):
+        ctx.launched = True
+        time.sleep(float(seconds))
+    if step == 10:
+        raise RuntimeError("stopped after the plan")
+    time.sleep(0.05)
+
+
+def test_a_budget_planned_after_a_resume_leaves_out_the_launch_costs(digits_dir, tmp_path, capsys):
+    """The plan's pace leaves out the first epoch of each launch (its start-up costs): resumed after
+    epoch 1, a run plans at the pace of the run that never stopped, not slowed by a second start-up."""
+    from pipeline.train.context import LocalContext, list_checkpoints
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import run_loop
+
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), epochs=30, warmup_epochs=3.0, time_budget_minutes=0.5),
+                              shard_dir=str(digits_dir), steps_per_epoch=3, warmup_steps=9)
+    run = LoopRun(init_state=model.state_dict(), step_hooks=("tests.test_loop:launch_cost=2.0",))
+
+    def pace(run_dir, resume_from=None) -> float:
+        with pytest.raises(RuntimeError, match="stopped after the plan"):
+            run_loop(cfg, run, LocalContext(str(run_dir), use_gpu=False, keep=10, resume_from=resume_from))
+        plan = re.search(r"time budget 0.5 min: [\d.]+ s spent, ([\d.]+) s per epoch", capsys.readouterr().out)
+        return float(plan[1])
+
+    whole = pace(tmp_path / "whole")
+    first = tmp_path / "whole" / list_checkpoints(str(tmp_path / "whole"))[0]
+    resumed = pace(tmp_path / "resumed", resume_from=str(first))
+    assert whole < 1.0 and resumed < 1.0, (whole, resumed)  # a start-up in the pace: (2 + 2 x 0.15) / 2 s or more

@@ -2,8 +2,8 @@
 
 A checkpoint holds everything needed to continue bit-for-bit where the run stopped: weights
 (without DDP's ``module.`` prefix), optimizer, scheduler, grad scaler, EMA, position in the run
-(epoch, batch within the epoch, optimizer step, the epoch's sums so far, a time budget's plan),
-per-rank RNG states, history and configs.
+(epoch, batch within the epoch, optimizer step, the epoch's sums so far, a time budget's plan, the
+epochs that resumed launches started in), per-rank RNG states, history and configs.
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ class Progress:
     history: list = field(default_factory=list)
     epochs: Optional[int] = None  # the run's length once a time budget planned it (``.budget``)
     epoch_sums: Optional[list] = None  # the current epoch's loss sum, correct, samples so far (all ranks)
+    launches: list = field(default_factory=list)  # the epochs (0-based) in which a resumed launch started
 
 
 def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress: Progress, extra: dict) -> None:
@@ -70,7 +71,7 @@ def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress
     state["model"] = unwrap(objects["model"]).state_dict()
     state.update(epoch=progress.epoch, batch_in_epoch=progress.batch_in_epoch, step=progress.step,
                  history=progress.history, planned_epochs=progress.epochs, epoch_sums=progress.epoch_sums,
-                 rng=rngs, **extra)
+                 launches=progress.launches, rng=rngs, **extra)
     tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=STAGING_SUFFIX, dir=ctx.staging_dir))
     try:
         torch.save(state, tmp / STATE_FILE)
@@ -96,4 +97,4 @@ def restore(objects: dict, *, ctx: TrainContext) -> Progress | None:
     rngs = state["rng"]
     set_rng_state(rngs[ctx.rank] if ctx.rank < len(rngs) else rngs[0], ctx.device)
     return Progress(state["epoch"], state["batch_in_epoch"], state["step"], state["history"],
-                    state["planned_epochs"], state["epoch_sums"])
+                    state["planned_epochs"], state["epoch_sums"], state.get("launches", []))

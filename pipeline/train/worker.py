@@ -164,6 +164,10 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
     check_val_batch(unwrap(stepper.model), val_loader, amp=cfg.amp, device=ctx.device)
 
     def checkpoint(metrics: dict) -> None:
+        nonlocal clock
+        if progress.batch_in_epoch:  # mid-epoch: the time so far goes into the checkpoint, as an epoch's end does
+            now = time.time()
+            selection.wall_time_s, clock = selection.wall_time_s + now - clock, now
         save_and_report(metrics, ctx=ctx, objects=objects, progress=progress, extra=extra)
 
     with _run_logger(run, ctx) as logger:
@@ -207,6 +211,8 @@ def _resume(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, objects: dict)
     if progress.epochs:
         set_total_steps(stepper.scheduler, _steps(cfg, progress))
     finished = progress.epoch >= _epochs(cfg, progress) or objects["selection"].stopped
+    if progress.step and not finished:
+        progress.launches.append(progress.epoch)  # the epoch this launch starts in holds its start-up costs
     if progress.step and ctx.rank == 0:
         state = "run already finished, nothing to train" if finished else "resumed from checkpoint"
         print(f"[{cfg.stage}] {state}: epoch {progress.epoch}, batch {progress.batch_in_epoch}, "
@@ -225,14 +231,16 @@ def _steps(cfg: LoopConfig, progress: Progress) -> int:
 
 def _plan(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, progress: Progress, logger) -> None:
     """With a time budget, once, at the end of the warm-up: fix the run's length (:mod:`.budget`) by the
-    pace of the epochs after the first, evaluations and checkpoints included; the mean over ranks, so
-    every rank plans alike."""
+    pace of the epochs that began no launch (the first holds the compiles and first calls, and so does
+    the first of a resumed launch), evaluations and checkpoints included; the mean over ranks, so every
+    rank plans alike."""
     due = progress.epoch == plan_epoch(cfg.warmup_steps, cfg.steps_per_epoch)
     if not cfg.time_budget_minutes or progress.epochs is not None or not due:
         return
     walls = [h["wall_time_s"] for h in progress.history]
-    spent, first = (v / ctx.world_size for v in _all_reduce([walls[-1], walls[0]], ctx.device))
-    epoch_s = (spent - first) / (len(walls) - 1)
+    laps = [(epoch, b - a) for epoch, (a, b) in enumerate(zip(walls, walls[1:]), start=1)]
+    paced = [lap for epoch, lap in laps if epoch not in progress.launches] or [lap for _, lap in laps]
+    spent, epoch_s = (v / ctx.world_size for v in _all_reduce([walls[-1], sum(paced) / len(paced)], ctx.device))
     progress.epochs = planned_epochs(cfg.time_budget_minutes * 60, spent, epoch_s, progress.epoch, cfg.epochs)
     set_total_steps(stepper.scheduler, _steps(cfg, progress))
     if ctx.rank == 0:
