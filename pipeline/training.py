@@ -88,10 +88,13 @@ def model_meta(stage: str, recipe: TrainConfig, info: dict, run_name: str) -> di
 
 
 def stage_summary(result: TrainResult) -> dict:
-    """metrics/<stage>.json: the last epoch's numbers and which weights were kept."""
+    """metrics/<stage>.json: the last epoch's numbers, which weights were kept and, with a time budget,
+    the length it planned (to repeat the run without one)."""
     final = result.history[-1]
     summary = {k: final[k] for k in ("epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top1_ema",
                                      "step", "images_seen") if k in final}
+    if result.planned_epochs is not None:
+        summary["planned_epochs"] = result.planned_epochs
     return {**summary, **selection_summary(result.selection)}
 
 

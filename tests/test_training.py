@@ -432,7 +432,7 @@ def test_a_time_budget_run_is_the_run_of_the_epochs_it_planned(tmp_path, monkeyp
     assert f"resumed from checkpoint: epoch 3, batch 8, step {3 * STEPS_PER_EPOCH + 8}" in proc.stdout
     assert "time budget" not in proc.stdout  # planned once
     budget_rows, summary = final_state(repo)
-    assert len(budget_rows) == summary["epoch"] == 4
+    assert len(budget_rows) == summary["epoch"] == summary["planned_epochs"] == 4
     _, (r,) = pretrain_runs(repo)
     assert r.data.metrics["planned_epochs"] == 4
 

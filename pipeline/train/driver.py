@@ -49,6 +49,7 @@ class TrainResult:
     run_name: str
     checkpoint_path: str
     selection: Selection
+    planned_epochs: int | None = None  # a time budget's plan: the run is the run of ``epochs: planned_epochs``
 
 
 def worker_batch(global_batch: int, world: int) -> int:
@@ -169,7 +170,7 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     model.load_state_dict(selection.weights)  # the raw or EMA weights that keep: last|best chose
     selection.weights = None
     return TrainResult(model=model, history=final["history"], run_name=spec.run_name,
-                       checkpoint_path=str(checkpoint), selection=selection)
+                       checkpoint_path=str(checkpoint), selection=selection, planned_epochs=final["planned_epochs"])
 
 
 def _length(loop: LoopConfig) -> str:
