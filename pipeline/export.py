@@ -14,7 +14,7 @@ import torch
 from pipeline import storage
 from pipeline.config import Params
 from pipeline.data import make_eval_loader
-from pipeline.model import VisionTransformer, load_model, save_model
+from pipeline.model import VisionTransformer, load_model, save_config, save_model
 from pipeline.outputs import staged_outputs
 from pipeline.registry import EXPORT_ARTIFACTS, model_run_tag, record_version
 from pipeline.tracking import stage_run
@@ -119,6 +119,14 @@ def _export_and_compare(fmt: str, model: VisionTransformer, images: torch.Tensor
     return _compare(reference, sess.run(None, {"images": images.numpy()})[0])
 
 
+def export_formats(model: VisionTransformer, images: torch.Tensor, reference: torch.Tensor, out_dir: Path,
+                   formats: list[str], opset: int, extra: dict) -> dict[str, dict[str, float]]:
+    """config.json, then each of ``formats`` written, reloaded and compared with PyTorch. config.json
+    whatever the formats: predict reads the classes and preprocessing from it."""
+    save_config(model, out_dir, extra)
+    return {fmt: _export_and_compare(fmt, model, images, reference, out_dir, opset, extra) for fmt in formats}
+
+
 def export(params: Params) -> dict:
     model, meta = load_model(MODELS / "finetune")
     model.eval()
@@ -133,8 +141,7 @@ def export(params: Params) -> dict:
                       tags=model_run_tag(meta)) as run:
         tmp = out[EXPORTS]
         tmp.mkdir()
-        results = {fmt: _export_and_compare(fmt, model, images, reference, tmp, cfg.opset, extra)
-                   for fmt in cfg.formats}
+        results = export_formats(model, images, reference, tmp, cfg.formats, cfg.opset, extra)
         failed = [f"{fmt}: max |diff| {r['max_abs_diff']:.2e} (limit {cfg.max_abs_diff:.0e}), "
                   f"top-1 agreement {r['top1_agreement']:.3f} (limit {cfg.min_top1_agreement})"
                   for fmt, r in results.items()

@@ -4,12 +4,13 @@
 
 ``--model`` is an export directory, or a registered version (``models:/vit-pipeline@champion``,
 ``models:/vit-pipeline/3``) whose export files are fetched from its MLflow run ($MLFLOW_TRACKING_URI).
-Prints ``path<TAB>class<TAB>probability`` per image. A missing or non-image file, or a directory
-with no image files, gets an ``error:`` line on stderr and the others still run.
+Prints ``path<TAB>class<TAB>probability`` per image. A missing or non-image file, an image too large
+to decode safely (over Pillow's decompression-bomb limit, 179 Mpx), or a directory with no image
+files, gets an ``error:`` line on stderr and the others still run.
 
 Exit codes:
   0  every input was classified
-  1  some input failed (missing, not a readable image, a directory without image files)
+  1  some input failed (missing, not a readable image, too large, a directory without image files)
   2  a bad argument (e.g. ``--batch-size 0``), or an export that cannot be loaded or run (a missing
      or corrupt ``config.json`` or model file, or the two disagree; the message names the file), or a
      registered version that cannot be fetched
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,9 +42,10 @@ REEXPORT = "re-run the export stage (`dvc repro export`) or point --model at an 
 
 
 def image_files(path: Path) -> list[Path]:
-    """A file as given; a directory expanded (recursively) to its image files, sorted."""
+    """A file as given; a directory expanded (recursively) to its image files, sorted (not a directory
+    named like one, e.g. ``sub.png/``: its images are listed, it is not an unreadable image)."""
     if path.is_dir():
-        return sorted(f for f in path.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+        return sorted(f for f in path.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES and not f.is_dir())
     return [path]
 
 
@@ -110,19 +113,27 @@ class Predictor:
     def __init__(self, model_dir: str | Path = "exports", fmt: str = "onnx"):
         name = model_file_name(fmt)
         model_dir = Path(model_dir)
-        meta = read_config(model_dir / "config.json")
+        self.config_file = model_dir / "config.json"
+        meta = read_config(self.config_file)
         self.classes = meta["classes"]
         try:
             self.transform = eval_transform(meta["image_size"], meta["normalize"])
         except (TypeError, ValueError) as exc:
-            raise ModelFileError(f"{model_dir / 'config.json'}: bad image_size or normalize ({error_summary(exc)}); "
+            raise ModelFileError(f"{self.config_file}: bad image_size or normalize ({error_summary(exc)}); "
                                  f"{REEXPORT}") from None
         self.model_file = model_dir / name
+        if not self.model_file.is_file():  # config.json is there: this export left the format out
+            raise ModelFileError(f"{self.model_file}: not found; the export stage writes it when export.formats "
+                                 f"lists {fmt}; {REEXPORT}, or choose another --format")
         self._run = load_file(self.model_file, RUNNERS[fmt])
 
     def preprocess(self, path: Path) -> torch.Tensor:
-        with Image.open(path) as img:
-            return self.transform(img.convert("RGB"))
+        """The image as the model takes it. Pillow's warning for an image of 89-179 Mpx is silenced (it is
+        resized like any other); a larger one raises Image.DecompressionBombError, a failed input."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                return self.transform(img.convert("RGB"))
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -131,6 +142,9 @@ class Predictor:
         except Exception as exc:  # e.g. config.json's image_size is not the size the model was exported at
             raise ModelFileError(f"{self.model_file}: fails on {tuple(images.shape)} inputs made as its config.json "
                                  f"says ({error_summary(exc)}); {REEXPORT}") from None
+        if logits.shape[-1] != len(self.classes):  # else a class index past the list, or a wrong name
+            raise ModelFileError(f"{self.config_file}: names {len(self.classes)} classes, {self.model_file} "
+                                 f"scores {logits.shape[-1]}; {REEXPORT}")
         probs = logits.softmax(-1)
         conf, idx = probs.max(-1)
         return idx.numpy(), conf.numpy()
@@ -189,6 +203,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.predict"
                 good.append(path)
             except FileNotFoundError:
                 print(f"error: {path}: no such file", file=sys.stderr)
+                failed += 1
+            except Image.DecompressionBombError as exc:
+                print(f"error: {path}: too large to decode ({exc})", file=sys.stderr)
                 failed += 1
             except (UnidentifiedImageError, OSError, ValueError) as exc:
                 print(f"error: {path}: not a readable image ({type(exc).__name__}: {exc})", file=sys.stderr)

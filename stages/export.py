@@ -1,8 +1,9 @@
 """DVC stage `export`: models/finetune -> exports/ (safetensors, TorchScript, ONNX; pipeline.export).
 
 Reads params `export`, models/finetune/ and test images from data/shards/finetune/; writes exports/
-(model.safetensors, model.torchscript.pt, model.onnx, config.json), metrics/export.json, an MLflow
-run and a new version of the registered model `export.registered_model_name`.
+(config.json always; model.safetensors, model.torchscript.pt, model.onnx as `export.formats` lists),
+metrics/export.json, an MLflow run and a new version of the registered model
+`export.registered_model_name`.
 """
 import sys
 

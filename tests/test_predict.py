@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from PIL import Image
 
 from pipeline import predict
 from pipeline.model import build_vit, save_model
+from pipeline.predict import MODEL_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ["ant", "bee", "cow"]
@@ -125,3 +127,42 @@ def test_cli_corrupt_onnx(export_dir, images, tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert f"error: {model / 'model.onnx'}: cannot be loaded" in _one_error_line(proc.stderr)
+
+
+def test_image_too_large_is_a_failed_input(export_dir, images, tmp_path, capsys, monkeypatch):
+    """Over Pillow's decompression-bomb limit (2 x MAX_IMAGE_PIXELS): one error line, the others still
+    classified, exit 1; between 1x and 2x (Pillow's warning) classified without the warning."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 60)  # the 10x12 images: 120 pixels, warned of, not refused
+    big = tmp_path / "big.png"
+    Image.new("RGB", (20, 20)).save(big)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = predict.main([str(big), str(images), "--model", str(export_dir), "--format", "torchscript"])
+    captured = capsys.readouterr()
+    assert rc == 1 and len(captured.out.splitlines()) == 3, captured
+    assert captured.err.splitlines()[0].startswith(f"error: {big}: too large to decode (Image size (400 pixels)")
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "safetensors"])
+def test_classes_that_do_not_fit_the_model(export_dir, images, tmp_path, capsys, fmt):
+    """config.json naming 2 classes for a 3-class model: the export cannot be used (exit 2), no IndexError."""
+    meta = json.loads((export_dir / "config.json").read_text())
+    model = _damaged_copy(export_dir, tmp_path / "exports", "config.json",
+                          json.dumps({**meta, "classes": ["ant", "bee"]}).encode())
+    assert predict.main([str(images), "--model", str(model), "--format", fmt]) == 2
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err)
+    file = model / MODEL_FILES[fmt]
+    assert line.startswith(f"error: {model / 'config.json'}: names 2 classes, {file} scores 3"), line
+    assert captured.out == ""
+
+
+def test_directory_named_like_an_image_is_not_an_image(export_dir, images, capsys):
+    """``sub.png/`` in a listed directory is searched, not reported as an unreadable image."""
+    (images / "sub.png").mkdir()
+    (images / "empty.jpg").mkdir()
+    shutil.copy(images / "0.png", images / "sub.png" / "3.png")
+    assert predict.main([str(images), "--model", str(export_dir), "--format", "torchscript"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and len(captured.out.splitlines()) == 4, captured

@@ -3,7 +3,7 @@ from .attention import attention_maps
 from .build import build_model, build_vit, make_config
 from .config import PRESETS, ViTConfig
 from .convert import convert_state_dict
-from .io import load_model, save_model
+from .io import load_model, save_config, save_model
 from .resample import resample_patch_embed, resample_pos_embed
 from .vit import VisionTransformer
 
@@ -19,5 +19,6 @@ __all__ = [
     "convert_state_dict",
     "attention_maps",
     "save_model",
+    "save_config",
     "load_model",
 ]

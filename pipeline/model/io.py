@@ -21,7 +21,7 @@ from pipeline.utils import apply_umask, error_summary
 from .config import ViTConfig
 from .vit import VisionTransformer
 
-__all__ = ["save_model", "load_model", "read_model_file", "ModelFileError", "WEIGHTS_NAME", "CONFIG_NAME"]
+__all__ = ["save_model", "save_config", "load_model", "read_model_file", "ModelFileError", "WEIGHTS_NAME", "CONFIG_NAME"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -65,22 +65,28 @@ def save_model(model: VisionTransformer, directory, extra: dict[str, Any] | None
     ``extra`` (JSON-serialisable, e.g. epoch, metrics, class names) is merged into
     ``config.json`` next to ``"model"``.
     """
-    extra = dict(extra or {})
-    if "model" in extra:
-        raise ValueError("extra must not contain the key 'model' (reserved for the model config)")
-    meta = {"model": model.config.to_dict(), **extra}
-    text = json.dumps(meta, indent=2, sort_keys=False)  # fail early on non-JSON extras
+    text = _config_text(model, extra)  # fail early on non-JSON extras
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
-
-    def write_json(p):
-        with open(p, "w") as f:
-            f.write(text + "\n")
-
-    _atomic_write(directory / CONFIG_NAME, write_json)
+    _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(text))
     return directory
+
+
+def save_config(model: VisionTransformer, directory, extra: dict[str, Any] | None = None) -> Path:
+    """``config.json`` alone, as :func:`save_model` writes it: for an export without ``model.safetensors``
+    (its other formats are read with it, for the classes and preprocessing)."""
+    text = _config_text(model, extra)
+    _atomic_write(Path(directory) / CONFIG_NAME, lambda p: Path(p).write_text(text))
+    return Path(directory) / CONFIG_NAME
+
+
+def _config_text(model: VisionTransformer, extra: dict[str, Any] | None) -> str:
+    extra = dict(extra or {})
+    if "model" in extra:
+        raise ValueError("extra must not contain the key 'model' (reserved for the model config)")
+    return json.dumps({"model": model.config.to_dict(), **extra}, indent=2, sort_keys=False) + "\n"
 
 
 def load_model(directory, *, map_location: str | torch.device = "cpu",
