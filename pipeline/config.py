@@ -11,6 +11,7 @@ Keys that ``params.yaml`` does not list (``ema_decay``, ``amp``, ...) have their
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -23,6 +24,9 @@ import yaml
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 INTERP_MODES = ("nearest", "bilinear", "bicubic", "area")
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
+# export.opset: 17 or newer; 25 is the newest at which onnxruntime 1.31.1 (constraints.txt) loads the exported ViT
+# (at 26 the export completes, then onnxruntime refuses it: INVALID_GRAPH on its Attention node). Re-check on a new pin.
+ONNX_OPSETS = range(17, 26)
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 # {pretrain,finetune}.compile_mode: torch.compile's modes; the two that CUDA-graph the step cut its launch cost on a GPU
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -36,6 +40,10 @@ ENCODINGS = ("source", "raw")  # data.<name>.encoding: the source's bytes, or de
 
 class ConfigError(ValueError):
     """A params.yaml problem; the message names the key, the value and what is valid."""
+
+
+class _NotFinite(ConfigError):
+    """A float key set to nan or inf: no other type of a union would take it either, so it is the message."""
 
 
 @dataclass
@@ -207,7 +215,8 @@ class Params:
 
     @property
     def finetune_patch_size(self) -> int:
-        return self.finetune.patch_size or self.model.patch_size
+        """``finetune.patch_size``, or ``model.patch_size`` when it is null (0 is an error, not null)."""
+        return self.model.patch_size if self.finetune.patch_size is None else self.finetune.patch_size
 
     @property
     def tracking_uri(self) -> str:
@@ -243,6 +252,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, arg, key)
+            except _NotFinite:
+                raise
             except ConfigError:
                 continue
     elif dataclasses.is_dataclass(tp):
@@ -256,19 +267,29 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, dict):
             return dict(value)
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = _float(value)
+        if number is not None:
+            if not math.isfinite(number):  # nan would pass every range check below (`nan <= 0` is False)
+                raise _NotFinite(f"{key}: {value!r} is not a finite number (nan and inf are not valid values)")
+            return number
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif isinstance(value, tp):
         return value
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _float(value: Any) -> float | None:
+    """``value`` as a float: a number (not a bool), or a string YAML 1.1 left unread ("1e-4"); else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return None
 
 
 def _build(cls: type, raw: dict, prefix: str) -> Any:
@@ -288,9 +309,21 @@ def _choice(key: str, value: Any, valid: tuple) -> None:
         raise ConfigError(f"{key}: {value!r} is not valid (choose one of: {', '.join(map(str, valid))})")
 
 
-def _positive(key: str, value: float) -> None:
+def _positive(key: str, value: float, nullable: bool = False) -> None:
     if value <= 0:
-        raise ConfigError(f"{key}: {value!r} must be > 0")
+        raise ConfigError(f"{key}: {value!r} must be > 0{' or null' if nullable else ''}")
+
+
+def _non_negative(key: str, value: float) -> None:
+    if value < 0:
+        raise ConfigError(f"{key}: {value!r} must be >= 0")
+
+
+def _name(key: str, value: str, forbidden: str = "") -> None:
+    """An MLflow name: not blank, none of ``forbidden`` (MLflow refuses them late, with a traceback)."""
+    if not value.strip() or any(c in value for c in forbidden):
+        rule = f", without {' or '.join(map(repr, forbidden))}" if forbidden else ""
+        raise ConfigError(f"{key}: {value!r} is not a valid name (a non-empty name{rule})")
 
 
 def _model_check(check, *args) -> None:
@@ -317,7 +350,7 @@ def validate(p: Params) -> Params:
 
 def _check_data(key: str, d: DataConfig) -> None:
     from pipeline.data.sources import ROOTED, SOURCES
-    from pipeline.data.splits import check_fraction
+    from pipeline.data.splits import check_fraction, check_fractions
 
     _choice(f"{key}.source", d.source, SOURCES)
     _choice(f"{key}.encoding", d.encoding, ENCODINGS)
@@ -326,13 +359,15 @@ def _check_data(key: str, d: DataConfig) -> None:
     if d.source not in ROOTED and d.root:
         raise ConfigError(f"{key}.root: {d.root!r} would be ignored: source {d.source!r} is built in; set root: null, "
                           f"or a source that reads it ({', '.join(ROOTED)})")
-    for k in ("val_fraction", "test_fraction", "max_bad_fraction"):
-        try:
-            check_fraction(f"{key}.{k}", getattr(d, k))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    try:  # the shard stage's own checks, its messages under the section's keys
+        check_fractions(d.val_fraction, d.test_fraction)
+        check_fraction("max_bad_fraction", d.max_bad_fraction)
+    except ValueError as exc:
+        raise ConfigError(f"{key}.{exc}") from None
     for k in ("maxcount", "maxsize", "num_classes", "samples_per_class", "image_size"):
         _positive(f"{key}.{k}", getattr(d, k))
+    if d.max_side is not None:
+        _positive(f"{key}.max_side", d.max_side, nullable=True)
 
 
 def _check_model(p: Params) -> None:
@@ -348,12 +383,15 @@ def _check_model(p: Params) -> None:
     for k in ("embed_dim", "depth", "num_heads"):
         _positive(f"model.{k}", arch[k])
     _model_check(check_heads, arch["embed_dim"], arch["num_heads"], "model.num_heads", "model.embed_dim")
-    _model_check(check_divisible, p.pretrain.image_size, p.model.patch_size, "pretrain.image_size", "model.patch_size")
-    ft_patch_key = "finetune.patch_size" if p.finetune.patch_size else "model.patch_size"
+    ft_patch_key = "model.patch_size" if p.finetune.patch_size is None else "finetune.patch_size"
     _positive(ft_patch_key, p.finetune_patch_size)
-    _model_check(check_divisible, p.finetune.image_size, p.finetune_patch_size, "finetune.image_size", ft_patch_key)
-    for i, r in enumerate(p.evaluate.resolutions):
-        _model_check(check_divisible, r, p.finetune_patch_size, f"evaluate.resolutions[{i}]", ft_patch_key)
+    sizes = {"pretrain.image_size": (p.pretrain.image_size, p.model.patch_size, "model.patch_size"),
+             "finetune.image_size": (p.finetune.image_size, p.finetune_patch_size, ft_patch_key),
+             **{f"evaluate.resolutions[{i}]": (r, p.finetune_patch_size, ft_patch_key)
+                for i, r in enumerate(p.evaluate.resolutions)}}
+    for key, (size, patch, patch_key) in sizes.items():  # 0 divides by any patch size: positive first
+        _positive(key, size)
+        _model_check(check_divisible, size, patch, key, patch_key)
     try:  # the rest of the model's own checks (drop_path_rate, mlp_ratio, ...), named as params keys
         section_config(p.model, image_size=p.pretrain.image_size, num_classes=0)
     except ValueError as exc:
@@ -369,6 +407,10 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
 
     for k in ("epochs", "global_batch_size", "lr", "eval_every", "checkpoint_every_epochs"):
         _positive(f"{stage}.{k}", getattr(t, k))
+    for k in ("min_lr", "weight_decay", "warmup_epochs"):  # a negative LR multiplier or decay trains backwards
+        _non_negative(f"{stage}.{k}", getattr(t, k))
+    if t.grad_clip is not None:  # clip_grad_norm_ with a negative max flips every gradient
+        _positive(f"{stage}.grad_clip", t.grad_clip, nullable=True)
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ConfigError(f"{stage}.label_smoothing: {t.label_smoothing!r} must be in [0, 1)")
     _choice(f"{stage}.amp", t.amp, AMP_MODES)
@@ -426,10 +468,15 @@ def _check_cuda_graph(stage: str, t: TrainConfig, ranks: int) -> None:
 
 
 def _check_export_and_ray(p: Params) -> None:
+    if not p.export.formats:
+        raise ConfigError(f"export.formats: [] exports nothing (list one or more of: {', '.join(EXPORT_FORMATS)})")
     for i, f in enumerate(p.export.formats):
         _choice(f"export.formats[{i}]", f, EXPORT_FORMATS)
-    if p.export.opset < 17:
-        raise ConfigError(f"export.opset: {p.export.opset} is too old (valid: 17 or newer)")
+    if p.export.opset not in ONNX_OPSETS:
+        raise ConfigError(f"export.opset: {p.export.opset} is not valid (valid: {ONNX_OPSETS[0]} to {ONNX_OPSETS[-1]}, "
+                          f"the opsets the pinned onnxruntime loads)")
+    _name("export.registered_model_name", p.export.registered_model_name, forbidden="/:")
+    _name("mlflow.experiment", p.mlflow.experiment)
     _positive("ray.cpus_per_worker", p.ray.cpus_per_worker)
     _choice("ray.backend", p.ray.backend, BACKENDS)
     if p.ray.loader_workers is not None and p.ray.loader_workers < 0:
@@ -442,8 +489,7 @@ def _check_export_and_ray(p: Params) -> None:
     _positive("ray.checkpoints_to_keep", p.ray.checkpoints_to_keep)
     _positive("export.num_images", p.export.num_images)
     for k in ("gpus_per_worker", "max_failures", "resource_wait_s"):
-        if getattr(p.ray, k) < 0:
-            raise ConfigError(f"ray.{k}: {getattr(p.ray, k)!r} must be >= 0")
+        _non_negative(f"ray.{k}", getattr(p.ray, k))
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
@@ -453,15 +499,76 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{getattr(exc, 'problem', None) or str(exc).splitlines()[0]}{where}"
 
 
+def _read_yaml(path: str | os.PathLike, missing: str | None = None) -> Any:
+    """The YAML document in ``path``. A file that is missing (``missing``: what to say then), unreadable, not
+    UTF-8, not YAML, or that sets a key twice is a :class:`ConfigError` naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                          f"save it as UTF-8") from None
+    except OSError as exc:
+        why = missing if missing and isinstance(exc, FileNotFoundError) else f"cannot read it ({exc.strerror})"
+        raise ConfigError(f"{path}: {why}") from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(node, "", str(path), set())
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(exc)})") from None
+    finally:
+        loader.dispose()
+
+
+def _check_unique_keys(node: yaml.Node, key: str, path: str, seen: set[int]) -> None:
+    """PyYAML keeps the last of a key set twice in one mapping without a word: the other setting would
+    be silently ignored. ``seen``: nodes already walked (an alias repeats its anchor's node)."""
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for k, v in node.value:
+            child = f"{key}.{k.value}" if key else str(k.value)
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                if (k.tag, k.value) in lines:
+                    raise ConfigError(f"{path}: {child} is set twice (lines {lines[k.tag, k.value]} and "
+                                      f"{k.start_mark.line + 1}); YAML would keep only the last: remove one")
+                lines[k.tag, k.value] = k.start_mark.line + 1
+            _check_unique_keys(v, child, path, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, f"{key}[{i}]", path, seen)
+
+
+def _apply_override(raw: dict, dotted: str, value: Any) -> None:
+    """Set ``dotted`` (``pretrain.lr``) in ``raw``, adding missing sections; a part that is a value in
+    ``raw`` cannot hold a key."""
+    node = raw
+    *parents, leaf = dotted.split(".")
+    for i, part in enumerate(parents):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            parent = ".".join(parents[:i + 1])
+            raise ConfigError(f"{dotted}: {parent} is a value, not a section: set {parent} itself")
+    node[leaf] = value
+
+
+PARAMS_ENV = "VIT_PARAMS"  # a params file other than ./params.yaml (a cluster job's, infra/job.sh)
+
+
+def params_file() -> str:
+    """The params file the stages read: ``$VIT_PARAMS``, else ``params.yaml`` in the working directory."""
+    return os.environ.get(PARAMS_ENV, "params.yaml")
+
+
 def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None = None) -> Params:
     """Read, type-check and validate ``params.yaml``; raise :class:`ConfigError` on any problem."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found (run from the repository root)") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(exc)})") from None
+    raw = _read_yaml(path, missing="file not found (run from the repository root)")
     if raw is None:  # an empty file would otherwise run every stage on defaults without a word
         sections = ", ".join(f.name for f in dataclasses.fields(Params))
         raise ConfigError(f"{path}: is empty (or only comments); expected the sections {sections} "
@@ -469,11 +576,7 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None 
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+        _apply_override(raw, dotted, value)
     return params_from_dict(raw, str(path))
 
 
@@ -488,13 +591,7 @@ def params_from_dict(raw: dict, source: str) -> Params:
 def read_partial_params(path: str | os.PathLike) -> dict:
     """The sections of a partial params.yaml (a recipe, a cluster overlay); a file that cannot be read,
     is not YAML or is not a mapping of sections is a :class:`ConfigError` naming it."""
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(exc)})") from None
+    raw = _read_yaml(path) or {}
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
         raise ConfigError(f"{path}: expected a partial params.yaml, a mapping of sections (data, model, "
                           f"pretrain, ...) each a mapping of keys")

@@ -25,6 +25,7 @@ CLI (used by ``infra/job.sh``)::
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import sys
@@ -185,6 +186,10 @@ def upload_dir(local: str | os.PathLike, url: str, *, delete: bool = True) -> li
     if not local.is_dir():
         raise FileNotFoundError(f"{local} is not a directory")
     fs, root = filesystem(url)
+    if not is_url(url):  # mirroring into `.` deleted the current directory's files, the source's too
+        spare = {**_never_replaced(), "the folder pushed": local} if delete else {}
+        _local_target(url, "push", "push mirrors the folder, deleting what it lacks: name a folder below it, "
+                      "or pass --keep", spare)
     rels = [r for r in _local_files(local) if not any(part.startswith(".") for part in Path(r).parts)]
     for rel in rels:
         if not is_url(url):  # a shared folder: object stores need no parent folders, a file system does
@@ -206,32 +211,81 @@ def _find(fs, root: str) -> list[str]:
         return []
 
 
+def _under(fs, root: str, url: str) -> list[str]:
+    """Objects under prefix ``root``. A URL or path naming one file is an error: ``ls`` printed an empty
+    name for it and ``pull`` wrote it over its own temporary folder."""
+    prefix = root.rstrip("/") + "/"
+    found = _find(fs, root)
+    objects = [p for p in found if p.startswith(prefix)]
+    if found and not objects:
+        raise NotADirectoryError(errno.ENOTDIR, "is a file, not a folder or prefix: name the one that holds it",
+                                 str(url))
+    return objects
+
+
+def _never_replaced() -> dict[str, Path]:
+    """Folders a pull (or a mirroring push) must not replace, nor any folder above them (``/`` included)."""
+    return {"the current directory": Path.cwd(), "the home folder": Path(os.path.expanduser("~"))}
+
+
+def _local_target(local, verb: str, what_to_do: str, spare: dict) -> Path:
+    """``local`` resolved; refused when it is a file, or when it is a folder in ``spare`` or above one, which
+    ``verb`` would delete: ``pull URL .`` deleted the current directory, the download with it."""
+    dest = Path(os.path.expanduser(str(local))).resolve()
+    for name, folder in spare.items():
+        folder = Path(folder).resolve()
+        if dest == folder or dest in folder.parents:
+            raise OSError(errno.EINVAL, f"is {name} or holds it, and {what_to_do}", str(dest))
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"is a file: {verb} writes a folder there; name another path, "
+                                 f"or move the file", str(dest))
+    return dest
+
+
+def _swap_in(new: Path, dest: Path) -> None:
+    """Rename folder ``new`` to ``dest``. An old ``dest`` is renamed aside first and deleted last, so a failure
+    at any step leaves the old contents or the new ones in place, never neither."""
+    if not dest.exists():
+        new.rename(dest)
+        return
+    old = dest.with_name(f".{dest.name}.old-{new.name.rpartition('-')[2]}")  # mkdtemp made the suffix unique
+    dest.rename(old)
+    try:
+        new.rename(dest)
+    except BaseException:
+        old.rename(dest)
+        raise
+    try:
+        shutil.rmtree(old)
+    except OSError as exc:  # the new contents are in place: the pull worked
+        print(f"[storage] warning: could not delete the old copy {old}: {exc}", file=sys.stderr, flush=True)
+
+
 def download_dir(url: str, local: str | os.PathLike, *, missing_ok: bool = False) -> Optional[Path]:
-    """Copy everything under ``url`` into ``local``, replacing it whole (written beside, then renamed).
+    """Copy everything under ``url`` into folder ``local`` (resolved, and returned), replacing it whole:
+    downloaded beside it, then swapped in, so a failure leaves the old folder as it was.
 
     Returns ``None`` (and leaves ``local`` alone) when nothing is there and ``missing_ok``.
     """
     fs, root = filesystem(url)
+    local = _local_target(local, "pull", "pull replaces a folder whole: name a folder below it",
+                          _never_replaced())
     fs.invalidate_cache()
-    prefix = root.rstrip("/") + "/"
-    objects = _find(fs, root)
+    objects = _under(fs, root, url)
     if not objects:
         if missing_ok:
             return None
         raise FileNotFoundError(f"nothing under {url}")
-    local = Path(local)
     local.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{local.name}.tmp-", dir=local.parent))
+    prefix = root.rstrip("/") + "/"
     try:
         for obj in objects:
-            rel = obj[len(prefix):]
-            target = tmp / rel
+            target = tmp / obj[len(prefix):]
             target.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(obj, str(target))
         apply_umask(tmp)
-        if local.exists():
-            shutil.rmtree(local)
-        tmp.rename(local)
+        _swap_in(tmp, local)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -243,13 +297,38 @@ def list_objects(url: str) -> list[str]:
     fs, root = filesystem(url)
     fs.invalidate_cache()
     prefix = root.rstrip("/") + "/"
-    return [p[len(prefix):] for p in _find(fs, root)]
+    return [p[len(prefix):] for p in _under(fs, root, url)]
 
 
 def _pairs(items: list[str], what: str) -> list[tuple[str, str]]:
     if not items or len(items) % 2:
         raise ValueError(f"expected {what} pairs, got {items}")
     return list(zip(items[::2], items[1::2]))
+
+
+# What to do about the system's own errors on a local path (ours say it themselves).
+_WHAT_TO_DO = {
+    errno.EEXIST: "a file is in the way: name a folder, or move the file",
+    errno.ENOTDIR: "a file is in the way on this path: name a folder, or move the file",
+    errno.EACCES: "check its permissions, or name a folder you can write",
+    errno.EPERM: "check its permissions, or name a folder you can write",
+    errno.EROFS: "name a folder you can write",
+    errno.ENOSPC: "free some space, or name a folder on another disk",
+}
+
+
+def _one_line(exc: Exception) -> Optional[str]:
+    """The CLI's one line for an error it reports without a traceback: the object store's sign-in or reach,
+    ``<path>: <problem>[: <what to do>]`` for an OS error on a path, ``<Type>: <message>`` for the rest;
+    None for a bug."""
+    if (problem := access_problem(exc)) is not None:  # first: some of botocore's are OSErrors
+        return problem
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        hint = _WHAT_TO_DO.get(exc.errno) if exc.strerror == os.strerror(exc.errno or 0) else None
+        return f"{exc.filename}: {exc.strerror}" + (f": {hint}" if hint else "")
+    if isinstance(exc, (OSError, ValueError)):
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "python -m pipeline.storage") -> int:
@@ -281,13 +360,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m pipeline.stora
             if not names:
                 raise FileNotFoundError(f"nothing under {args.url}")
             print("\n".join(names))
-    except (FileNotFoundError, PermissionError, ValueError) as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
     except Exception as exc:
-        if (problem := access_problem(exc)) is None:
+        if (line := _one_line(exc)) is None:
             raise
-        print(f"error: {problem}", file=sys.stderr)
+        print(f"error: {line}", file=sys.stderr)
         return 1
     return 0
 

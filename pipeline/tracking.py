@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipeline import environment, pipeline_run
-from pipeline.config import ConfigError, Params, flatten
+from pipeline.config import ConfigError, Params, flatten, params_file
 from pipeline.storage import file_hash
 from pipeline.utils import error_summary
 
@@ -105,8 +105,11 @@ def git_info(cwd: str | os.PathLike = ".") -> dict[str, str]:
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
 
 
-def pipeline_id(params_path: str | os.PathLike = "params.yaml") -> str:
-    """Same commit + same params.yaml → same id: the stages of one `dvc repro` share it."""
+def pipeline_id(params_path: str | os.PathLike | None = None) -> str:
+    """Same commit + same params file → same id: the stages of one `dvc repro` share it. The file is the
+    one the stages read (``$VIT_PARAMS`` or params.yaml): cluster jobs with different params are
+    different pipeline runs."""
+    params_path = params_path or params_file()
     commit = git_info(Path(params_path).parent)["git.commit"]
     key = f"{commit}:{file_hash(params_path)}"
     if os.environ.get(pipeline_run.EXP_NAME_ENV):  # each DVC experiment is its own pipeline run
@@ -122,7 +125,7 @@ def _parent_run(client, experiment_id: str, pid: str, tags: dict[str, str], para
 @contextmanager
 def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None = None,
               tags: dict[str, str] | None = None, resume_key: str | None = None,
-              system_metrics: bool = False, params_path: str = "params.yaml") -> Iterator[Any]:
+              system_metrics: bool = False, params_path: str | None = None) -> Iterator[Any]:
     """Create the stage's MLflow run under the pipeline's parent run; yields the active run.
 
     ``resume_key`` (the Ray run name) makes a re-launched training run log into the MLflow run it

@@ -78,6 +78,50 @@ def test_params_yaml_and_code_defaults_agree():
     ({"ray.checkpoints_to_keep": 0}, ["ray.checkpoints_to_keep", "0", "> 0"]),
     ({"ray.max_failures": -1}, ["ray.max_failures", "-1", ">= 0"]),
     ({"export.num_images": 0}, ["export.num_images", "0", "> 0"]),
+    # optimiser values that train backwards (a negative clip flips every gradient)
+    ({"pretrain.grad_clip": -1}, ["pretrain.grad_clip", "-1.0", "> 0 or null"]),
+    ({"finetune.grad_clip": 0}, ["finetune.grad_clip", "0.0", "> 0 or null"]),
+    ({"pretrain.min_lr": -1}, ["pretrain.min_lr", "-1.0", ">= 0"]),
+    ({"finetune.weight_decay": -1}, ["finetune.weight_decay", "-1.0", ">= 0"]),
+    ({"pretrain.warmup_epochs": -1}, ["pretrain.warmup_epochs", "-1.0", ">= 0"]),
+    # nan / inf pass every range check, so they are refused where a float is read
+    ({"pretrain.lr": float("nan")}, ["pretrain.lr", "nan", "not a finite number"]),
+    ({"finetune.lr": float("inf")}, ["finetune.lr", "inf", "not a finite number"]),
+    ({"pretrain.mixup_alpha": float("nan")}, ["pretrain.mixup_alpha", "nan", "not a finite number"]),
+    ({"pretrain.time_budget_minutes": float("nan")}, ["pretrain.time_budget_minutes", "nan", "not a finite number"]),
+    ({"ray.resource_wait_s": float("nan")}, ["ray.resource_wait_s", "nan", "not a finite number"]),
+    ({"export.max_abs_diff": float("nan")}, ["export.max_abs_diff", "nan", "not a finite number"]),
+    ({"export.opset": 26}, ["export.opset", "26", "17 to 25"]),
+    ({"export.opset": 16}, ["export.opset", "16", "17 to 25"]),
+    ({"export.formats": []}, ["export.formats", "[]", "one or more of: safetensors, torchscript, onnx"]),
+    ({"export.registered_model_name": ""}, ["export.registered_model_name", "''", "non-empty"]),
+    ({"export.registered_model_name": "team/vit"}, ["export.registered_model_name", "'team/vit'", "'/' or ':'"]),
+    ({"export.registered_model_name": "vit:1"}, ["export.registered_model_name", "'vit:1'", "'/' or ':'"]),
+    ({"mlflow.experiment": " "}, ["mlflow.experiment", "' '", "non-empty"]),
+    # sizes: positive, under their own key, before the divisibility check (0 divides by any patch)
+    ({"pretrain.image_size": 0}, ["pretrain.image_size: 0 must be > 0"]),
+    ({"finetune.image_size": 0}, ["finetune.image_size: 0 must be > 0"]),
+    ({"finetune.image_size": -32}, ["finetune.image_size: -32 must be > 0"]),
+    ({"evaluate.resolutions": [32, 0]}, ["evaluate.resolutions[1]: 0 must be > 0"]),
+    ({"evaluate.resolutions": [-32]}, ["evaluate.resolutions[0]: -32 must be > 0"]),
+    ({"finetune.patch_size": 0}, ["finetune.patch_size: 0 must be > 0"]),  # not null: null keeps model.patch_size
+    ({"finetune.patch_size": -4}, ["finetune.patch_size: -4 must be > 0"]),
+    # the shard stage's checks, named as params keys before any stage runs
+    ({"data.finetune.val_fraction": 0.6, "data.finetune.test_fraction": 0.5},
+     ["data.finetune.val_fraction + test_fraction", "1.1", "< 1"]),
+    ({"data.pretrain.test_fraction": 1.0}, ["data.pretrain.test_fraction: 1.0", "[0, 1)"]),
+    ({"data.pretrain.max_side": 0}, ["data.pretrain.max_side: 0 must be > 0 or null"]),
+    # augment values of the wrong type: the key and its valid form, not a TypeError from a comparison
+    ({"pretrain.augment": {"random_resized_crop": 0.5}}, ["pretrain.augment.random_resized_crop", "0.5",
+                                                         "[min_scale, max_scale]"]),
+    ({"pretrain.augment": {"random_resized_crop": ["a", "b"]}}, ["pretrain.augment.random_resized_crop",
+                                                                "['a', 'b']", "[min_scale, max_scale]"]),
+    ({"finetune.augment": {"hflip": [0.5]}}, ["finetune.augment.hflip", "[0.5]", "a number in [0, 1]"]),
+    ({"finetune.augment": {"random_erasing": "0.25"}}, ["finetune.augment.random_erasing", "'0.25'", "a number"]),
+    ({"pretrain.augment": {"std": ["a", "b", "c"]}}, ["pretrain.augment.std", "['a', 'b', 'c']", "3 numbers"]),
+    ({"pretrain.augment": {"mean": ["a", "b", "c"]}}, ["pretrain.augment.mean", "['a', 'b', 'c']", "3 numbers"]),
+    ({"pretrain.augment": {"mean": [0.5, float("nan"), 0.5]}}, ["pretrain.augment.mean", "nan", "3 numbers"]),
+    ({"pretrain.augment": {"interpolation": ["bicubic"]}}, ["pretrain.augment.interpolation", "bilinear"]),
 ])
 def test_bad_values_name_key_value_and_valid(override, needles):
     with pytest.raises(ConfigError) as err:
@@ -98,6 +142,73 @@ def test_float_accepts_int_and_yaml_exponent(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     p = load_params(tmp_path / "params.yaml")
     assert p.pretrain.lr == pytest.approx(1e-3) and isinstance(p.pretrain.weight_decay, float)
+
+
+def test_nan_and_inf_from_yaml_are_refused(tmp_path):
+    """YAML's .nan / .inf (and "nan" as a string) are floats no range check catches: nan <= 0 is False."""
+    for section, key, text in [("pretrain", "lr", ".nan"), ("export", "max_abs_diff", ".inf"),
+                               ("finetune", "lr", '"nan"')]:
+        (tmp_path / "params.yaml").write_text(_with_value((ROOT / "params.yaml").read_text(), section, key, text))
+        with pytest.raises(ConfigError, match=rf"{section}\.{key}: .* is not a finite number"):
+            load_params(tmp_path / "params.yaml")
+
+
+def _with_value(text: str, section: str, key: str, value: str) -> str:
+    """params.yaml's text with ``section.key`` set to the YAML ``value`` (written as-is)."""
+    head, _, rest = text.partition(f"\n{section}:\n")
+    lines = rest.split("\n")
+    i = next(n for n, line in enumerate(lines) if line.startswith(f"  {key}:"))
+    lines[i] = f"  {key}: {value}"
+    return f"{head}\n{section}:\n" + "\n".join(lines)
+
+
+def test_finetune_patch_size_null_keeps_the_model_patch_size():
+    p = load_params(ROOT / "params.yaml", overrides={"model.patch_size": 8, "finetune.patch_size": None})
+    assert p.finetune_patch_size == 8
+    p = load_params(ROOT / "params.yaml", overrides={"finetune.patch_size": 8})
+    assert p.finetune_patch_size == 8 and p.model.patch_size == 4
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"model.depth": 6, "model.depth.x": 5},
+     "model.depth.x: model.depth is a value, not a section: set model.depth itself"),
+    ({"evaluate.resolutions.0": 32}, "evaluate.resolutions.0: evaluate.resolutions is a value, not a section"),
+    ({"pretrain.lr.max": 1}, "pretrain.lr.max: pretrain.lr is a value, not a section"),
+])
+def test_override_below_a_value_names_the_key(override, message):
+    """A dotted override (recipe --set) that goes below a value: a ConfigError, not a TypeError."""
+    with pytest.raises(ConfigError) as err:
+        load_params(ROOT / "params.yaml", overrides=override)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("name, content, needle", [
+    ("latin1.yaml", b"model:\n  preset: nano  # \xe9t\xe9\n", "latin1.yaml: not UTF-8 text (byte 0xe9 at offset 25)"),
+    ("dir", None, "dir: cannot read it (Is a directory)"),
+    ("dup.yaml", b"model:\n  preset: nano\npretrain:\n  lr: 0.1\n  epochs: 2\n  lr: 0.2\n",
+     "dup.yaml: pretrain.lr is set twice (lines 4 and 6); YAML would keep only the last"),
+    ("dup-section.yaml", b"model:\n  preset: nano\nmodel:\n  depth: 2\n",
+     "dup-section.yaml: model is set twice (lines 1 and 3)"),
+], ids=["not-utf8", "directory", "duplicate-key", "duplicate-section"])
+def test_unreadable_params_file_is_a_config_error_naming_it(tmp_path, name, content, needle):
+    """README "When things go wrong": a params file that cannot be read as one YAML mapping is exit 2 naming
+    the file (before: `error: UnicodeDecodeError`, an IsADirectoryError with exit 1, or a silent last-wins)."""
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_params(path)
+    assert str(err.value).startswith(str(path)) and needle in str(err.value), str(err.value)
+
+
+def test_stage_with_unreadable_params_exits_2(tmp_path):
+    """What a stage prints for one of the above ($VIT_PARAMS naming a directory was exit 1)."""
+    proc = subprocess.run([sys.executable, "-m", "stages.shard", "pretrain"], cwd=tmp_path, capture_output=True,
+                          text=True, env={"VIT_PARAMS": str(tmp_path), "PYTHONPATH": str(ROOT),
+                                          "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, f"error: {tmp_path}: cannot read it (Is a directory)\n")
 
 
 def test_stage_exits_nonzero_with_message_before_any_work(tmp_path):
@@ -203,7 +314,11 @@ def test_recipe_overrides_are_what_dvc_exp_run_applies(tmp_path):
     ("bad.yaml", [], "bad.yaml: not valid YAML (expected the node content, but found '<stream end>' at line 3"),
     (None, ["model.depth"], "--set model.depth: expected KEY=VALUE"),
     (None, ["model.depth=[6"], "--set model.depth=[6: the value is not valid YAML (expected ',' or ']'"),
-], ids=["missing", "directory", "not-a-mapping", "bad-yaml", "set-without-value", "set-bad-yaml"])
+    ("dup.yaml", [], "dup.yaml: model.depth is set twice (lines 2 and 3)"),
+    (None, ["model.depth.x=5"], "cifar10.yaml: model.depth.x: model.depth is a value, not a section"),
+    (None, ["evaluate.resolutions.0=32"], "evaluate.resolutions.0: evaluate.resolutions is a value, not a section"),
+], ids=["missing", "directory", "not-a-mapping", "bad-yaml", "set-without-value", "set-bad-yaml", "duplicate-key",
+        "set-below-a-value", "set-into-a-list"])
 def test_recipe_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, recipe, sets, needle):
     """`vit-pipeline recipe` with a recipe it cannot read or a malformed --set: one line naming it, exit 2
     (before: a traceback, or a --set without '=' quietly became an override of a whole section)."""
@@ -211,6 +326,7 @@ def test_recipe_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, 
 
     (tmp_path / "list.yaml").write_text("model: [1, 2]\n")
     (tmp_path / "bad.yaml").write_text("model:\n  depth: [\n")
+    (tmp_path / "dup.yaml").write_text("model:\n  depth: 6\n  depth: 8\n")
     monkeypatch.chdir(tmp_path)
     argv = [recipe or str(ROOT / "configs/cifar10.yaml"), "--params", str(ROOT / "params.yaml")]
     assert main(argv + [a for s in sets for a in ("--set", s)]) == 2

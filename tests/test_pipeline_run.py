@@ -254,3 +254,25 @@ def test_a_registered_version_that_cannot_be_fetched_is_one_error(workdir, tmp_p
     for bad in ("models:/vit-pipeline", "models:/vit-pipeline@", "models:/x/latest"):
         with pytest.raises(ModelFileError, match="want models:/<name>/<version> or models:/<name>@<alias>"):
             download_export(bad, ["config.json"], tmp_path)
+
+
+def test_stages_given_other_params_by_vit_params_are_other_pipeline_runs(workdir, monkeypatch):
+    """``$VIT_PARAMS`` (a cluster job's params, infra/job.sh) names the file the stages read; the pipeline
+    run is that file's, not ./params.yaml's: two jobs with different params are two pipeline runs, each
+    with its own params."""
+    from pipeline.config import load_params
+    from pipeline.tracking import pipeline_id
+
+    for name, opset in (("a", 17), ("b", 19)):
+        text = (ROOT / "params.yaml").read_text().replace("opset: 18", f"opset: {opset}")
+        (workdir / f"params.{name}.yaml").write_text(text)
+    ids = {}
+    for name in ("a", "b"):
+        monkeypatch.setenv("VIT_PARAMS", str(workdir / f"params.{name}.yaml"))
+        ids[name] = pipeline_id()
+        _stage("export", load_params(workdir / f"params.{name}.yaml"))
+    monkeypatch.delenv("VIT_PARAMS")
+    assert len({ids["a"], ids["b"], pipeline_id()}) == 3
+    client, _, parents = _client_and_parent(workdir)
+    assert sorted(p.data.params["export.opset"] for p in parents) == ["17", "19"]
+    assert sorted(p.data.tags["pipeline.id"] for p in parents) == sorted(ids.values())

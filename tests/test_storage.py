@@ -63,6 +63,109 @@ def test_push_and_pull_a_shared_folder(local_shards, tmp_path):
     assert _tree(tmp_path / "back") == _tree(local_shards)
 
 
+
+@pytest.fixture
+def src_and_cwd(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A folder to pull from, and a current directory (beside a home folder) holding a file of its own."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("a")
+    (src / "sub/b.txt").write_text("b")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    (cwd / "important.txt").write_text("keep")
+    monkeypatch.chdir(cwd)
+    return src, cwd
+
+
+@pytest.mark.parametrize("dest, named, what", [
+    (".", "{cwd}", "the current directory"), ("..", "{cwd.parent}", "the current directory"),
+    ("~", "{home}", "the home folder"), ("{home}", "{home}", "the home folder"),
+], ids=["cwd", "parent", "tilde", "home"])
+def test_pull_refuses_to_replace_the_current_directory_or_home(src_and_cwd, capsys, dest, named, what):
+    """`pull URL .` replaced the current directory whole: it deleted it, the download with it, and ended in
+    an `OSError: [Errno 22] Invalid argument: '.'` traceback. Now: one line, exit 1, nothing touched."""
+    src, cwd = src_and_cwd
+    home = cwd.parent / "home"
+    assert storage.main(["pull", str(src), dest.format(home=home)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: {named.format(cwd=cwd, home=home)}: is {what} or holds it, and pull replaces "
+                          f"a folder whole: name a folder below it"), err
+    assert _tree(cwd) == {"important.txt": b"keep"} and sorted(p.name for p in cwd.parent.iterdir()) == [
+        "home", "src", "work"]
+
+
+def test_root_is_never_replaced():
+    """`/` holds every current directory. Checked on the guard alone: a regression must not run a pull there."""
+    with pytest.raises(OSError, match=r"^\[Errno 22\] is the current directory or holds it, .*: '/'$"):
+        storage._local_target("/", "pull", "…", storage._never_replaced())
+
+
+def test_pull_replaces_a_folder_whole_and_a_failure_keeps_the_old_one(src_and_cwd, monkeypatch):
+    """Pull into an existing folder (not the current directory) replaces its contents; a failure while the
+    new copy is swapped in leaves the old contents there (before: the old folder was deleted first)."""
+    src, cwd = src_and_cwd
+    (cwd / "out").mkdir()
+    (cwd / "out/old.txt").write_text("old")
+    real_rename = Path.rename
+
+    def rename_fails_into_out(self, target):
+        if Path(target).name == "out" and ".tmp-" in self.name:
+            raise OSError(28, "No space left on device", str(target))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename_fails_into_out)
+    with pytest.raises(OSError, match="No space left"):
+        storage.download_dir(str(src), "out")
+    assert _tree(cwd / "out") == {"old.txt": b"old"} and sorted(p.name for p in cwd.iterdir()) == [
+        "important.txt", "out"], "the old folder must be back, and no temporary folder left"
+    monkeypatch.setattr(Path, "rename", real_rename)
+    assert storage.main(["pull", str(src), "out"]) == 0
+    assert _tree(cwd / "out") == _tree(src)
+    assert sorted(p.name for p in cwd.iterdir()) == ["important.txt", "out"]
+
+
+def test_push_refuses_to_mirror_into_the_current_directory_or_its_source(src_and_cwd, capsys):
+    """A mirroring `push SRC .` deleted every file of the current directory that SRC lacks, and SRC's own
+    files with them; `push --keep` deletes nothing, so it may copy there."""
+    src, cwd = src_and_cwd
+    assert storage.main(["push", str(src), "."]) == 1
+    assert storage.main(["push", str(src / "sub"), str(src)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: {cwd}: is the current directory or holds it, and push mirrors the folder, deleting "
+                   f"what it lacks: name a folder below it, or pass --keep",
+                   f"error: {src}: is the folder pushed or holds it, and push mirrors the folder, deleting what "
+                   f"it lacks: name a folder below it, or pass --keep"], err
+    assert _tree(cwd) == {"important.txt": b"keep"} and _tree(src) == {"a.txt": b"a", "sub/b.txt": b"b"}
+    assert storage.main(["push", "--keep", str(src), "."]) == 0
+    assert _tree(cwd) == {"important.txt": b"keep", "a.txt": b"a", "sub/b.txt": b"b"}
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["push", "{src}", "{f}"], "{f}: is a file: push writes a folder there; name another path, or move the file"),
+    (["push", "{src}", "{f}/x"], "{f}/x: Not a directory: a file is in the way on this path: name a folder, or "
+                                 "move the file"),
+    (["pull", "{src}", "{f}"], "{f}: is a file: pull writes a folder there; name another path, or move the file"),
+    (["pull", "{src}", "{f}/x"], "{f}: File exists: a file is in the way: name a folder, or move the file"),
+    (["pull", "{f}", "{tmp}/y"], "{f}: is a file, not a folder or prefix: name the one that holds it"),
+    (["ls", "{f}"], "{f}: is a file, not a folder or prefix: name the one that holds it"),
+], ids=["push-onto-file", "push-below-file", "pull-onto-file", "pull-below-file", "pull-a-file", "ls-a-file"])
+def test_cli_file_in_the_way_is_one_line(src_and_cwd, tmp_path, capsys, argv, needle):
+    """A file where a folder belongs: one line naming it and what to do, exit 1, the file untouched (before:
+    FileExistsError / NotADirectoryError / IsADirectoryError tracebacks; `ls FILE` printed an empty line
+    and exited 0)."""
+    src, _ = src_and_cwd
+    f = tmp_path / "afile"
+    f.write_text("x")
+    fmt = dict(src=src, f=f, tmp=tmp_path)
+    assert storage.main([a.format(**fmt) for a in argv]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: {needle.format(**fmt)}\n", err
+    assert f.read_text() == "x" and not (tmp_path / "y").exists()
+
 def test_shards_url_with_unusable_scheme_names_the_variable(monkeypatch):
     monkeypatch.setenv(storage.SHARDS_URL_ENV, "gs://bucket/ws")
     with pytest.raises(ValueError, match=r"^\$VIT_SHARDS_URL: gs://bucket/ws: cannot open this URL"):
@@ -87,6 +190,8 @@ def test_push_pull_mirror_and_ray_filesystem(s3_server, local_shards, tmp_path, 
     assert storage.download_dir(f"s3://{s3_server.bucket}/nothing", tmp_path / "x", missing_ok=True) is None
     with pytest.raises(FileNotFoundError):
         storage.download_dir(f"s3://{s3_server.bucket}/nothing", tmp_path / "x")
+    with pytest.raises(NotADirectoryError, match="is a file, not a folder or prefix"):  # one object, not a prefix
+        storage.list_objects(f"{url}/dataset.json")
 
     path, fs = storage.ray_storage(f"s3://{s3_server.bucket}/ray/")
     assert path == f"{s3_server.bucket}/ray" and fs is not None

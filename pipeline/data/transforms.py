@@ -52,6 +52,16 @@ def with_dataset_stats(augment: Optional[dict], info: dict) -> dict:
     return {**augment, **{k: list(info["pixel_stats"][k]) for k in wanted}}
 
 
+def _is_number(value: Any) -> bool:
+    """A finite int or float (not a bool, a string or a list): what an augment number must be."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_numbers(value: Any, n: int) -> bool:
+    """A list of ``n`` numbers (:func:`_is_number`)."""
+    return isinstance(value, (list, tuple)) and len(value) == n and all(map(_is_number, value))
+
+
 def resolve_augment(augment: Optional[dict], *, allow_dataset: bool = False) -> dict[str, Any]:
     """Merge ``augment`` over the defaults; unknown keys or bad values raise ValueError.
 
@@ -59,19 +69,19 @@ def resolve_augment(augment: Optional[dict], *, allow_dataset: bool = False) -> 
     shards exist); loaders need numbers, see :func:`with_dataset_stats`.
     """
     augment = dict(augment or {})
-    unknown = sorted(set(augment) - set(AUGMENT_DEFAULTS))
+    unknown = sorted(map(str, set(augment) - set(AUGMENT_DEFAULTS)))
     if unknown:
         raise ValueError(f"unknown augment key(s) {unknown}; valid keys: {sorted(AUGMENT_DEFAULTS)}")
     cfg = {**AUGMENT_DEFAULTS, **{k: v for k, v in augment.items() if v is not None}}
     for key in ("mean", "std"):
         if cfg[key] == DATASET and allow_dataset:
             continue
-        if isinstance(cfg[key], str) or len(cfg[key]) != 3:
+        if not _is_numbers(cfg[key], 3):
             raise ValueError(f"augment.{key} must be 3 numbers (RGB) or 'dataset', got {cfg[key]!r}")
     if cfg["std"] != DATASET and any(s <= 0 for s in cfg["std"]):
         raise ValueError(f"augment.std must be > 0, got {cfg['std']!r}")
     rrc = cfg["random_resized_crop"]
-    if rrc is not None and (len(rrc) != 2 or not 0 < rrc[0] <= rrc[1] <= 1):
+    if rrc is not None and (not _is_numbers(rrc, 2) or not 0 < rrc[0] <= rrc[1] <= 1):
         raise ValueError(f"augment.random_resized_crop must be null or [min_scale, max_scale] "
                          f"with 0 < min <= max <= 1, got {rrc!r}")
     pad = cfg["random_crop"]
@@ -81,11 +91,11 @@ def resolve_augment(augment: Optional[dict], *, allow_dataset: bool = False) -> 
         raise ValueError(f"augment.random_crop={pad!r} and random_resized_crop={rrc!r}: choose one crop "
                          f"(set the other to null)")
     for key in ("hflip", "random_erasing"):
-        if not 0.0 <= float(cfg[key]) <= 1.0:
-            raise ValueError(f"augment.{key} is a probability in [0, 1], got {cfg[key]!r}")
+        if not _is_number(cfg[key]) or not 0.0 <= cfg[key] <= 1.0:
+            raise ValueError(f"augment.{key} must be a probability, a number in [0, 1], got {cfg[key]!r}")
     if cfg["auto_augment"] not in AUTO_AUGMENTS:
         raise ValueError(f"augment.auto_augment={cfg['auto_augment']!r}; valid: {list(AUTO_AUGMENTS)}")
-    if cfg["interpolation"] not in INTERPOLATIONS:
+    if not isinstance(cfg["interpolation"], str) or cfg["interpolation"] not in INTERPOLATIONS:
         raise ValueError(f"augment.interpolation={cfg['interpolation']!r}; valid: {sorted(INTERPOLATIONS)}")
     return cfg
 
