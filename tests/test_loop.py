@@ -623,3 +623,12 @@ def test_a_budget_planned_after_a_resume_leaves_out_the_launch_costs(digits_dir,
     first = tmp_path / "whole" / list_checkpoints(str(tmp_path / "whole"))[0]
     resumed = pace(tmp_path / "resumed", resume_from=str(first))
     assert whole < 1.0 and resumed < 1.0, (whole, resumed)  # a start-up in the pace: (2 + 2 x 0.15) / 2 s or more
+
+
+def test_the_logged_lr_is_the_schedules_base_rate_with_layer_decay():
+    """``lr`` / ``lr_step`` are the schedule's rate (the head's), not the first group's: with layer decay
+    the embeddings run at ``layer_decay ** (depth + 1)`` of it (0.125 here), which read like a broken run."""
+    _, _, plain = _steps(_model(), torch.device("cpu"), steps=1)
+    _, _, decayed = _steps(_model(), torch.device("cpu"), steps=1, layer_decay=0.5)
+    rates = [g["lr"] for g in decayed.optimizer.param_groups]
+    assert decayed.lr() == plain.lr() == max(rates) and min(rates) == pytest.approx(decayed.lr() / 8)

@@ -42,8 +42,12 @@ class Stepper:
                 "scaler": self.scaler, "ema": self.ema}
 
     def lr(self) -> float:
-        """The learning rate of the next step (the first group's; a tensor in a graph-safe step)."""
-        return float(self.scheduler.get_last_lr()[0])
+        """The learning rate of the next step, the schedule's own: a group's at ``lr_scale`` 1 (with
+        ``layer_decay`` the head's; the first group, the embeddings', runs at ``layer_decay ** (depth + 1)``
+        of it). A tensor in a graph-safe step."""
+        groups = self.optimizer.param_groups
+        base = next(i for i, g in enumerate(groups) if g.get("lr_scale", 1.0) == 1.0)
+        return float(self.scheduler.get_last_lr()[base])
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The host's part (the mixer's draws, the EMA's count, the schedule) around the device's."""
