@@ -65,7 +65,7 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
         summary = stage_summary(result)
         kept = result.selection.kept
         numbers = {k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))}
-        mlflow.log_metrics(numbers)
+        mlflow.log_metrics(numbers, step=summary["step"])  # at the last step: a chart of wall_time_s ends there
         mlflow.set_tags({"kept_weights": kept["source"], "kept_reason": kept["reason"]})
         meta = {**model_meta(stage, recipe, info, result.run_name), "mlflow_run_id": run.info.run_id}
         save_model(result.model, out[model_dir], extra=meta)

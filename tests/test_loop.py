@@ -611,7 +611,7 @@ def test_a_budget_planned_after_a_resume_leaves_out_the_launch_costs(digits_dir,
     model = _model()
     cfg = dataclasses.replace(_cfg(model.config.to_dict(), epochs=30, warmup_epochs=3.0, time_budget_minutes=0.5),
                               shard_dir=str(digits_dir), steps_per_epoch=3, warmup_steps=9)
-    run = LoopRun(init_state=model.state_dict(), step_hooks=("tests.test_loop:launch_cost=2.0",))
+    run = LoopRun(init_state=model.state_dict(), step_hooks=("tests.test_loop:launch_cost=4.0",))
 
     def pace(run_dir, resume_from=None) -> float:
         with pytest.raises(RuntimeError, match="stopped after the plan"):
@@ -622,7 +622,9 @@ def test_a_budget_planned_after_a_resume_leaves_out_the_launch_costs(digits_dir,
     whole = pace(tmp_path / "whole")
     first = tmp_path / "whole" / list_checkpoints(str(tmp_path / "whole"))[0]
     resumed = pace(tmp_path / "resumed", resume_from=str(first))
-    assert whole < 1.0 and resumed < 1.0, (whole, resumed)  # a start-up in the pace: (2 + 2 x 0.15) / 2 s or more
+    # with the resumed launch's 4 s start-up in its pace, ~2 s more per epoch than the whole run's (a loaded
+    # machine slows both alike)
+    assert resumed < whole + 1.5, (whole, resumed)
 
 
 def test_the_logged_lr_is_the_schedules_base_rate_with_layer_decay():

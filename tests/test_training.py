@@ -433,8 +433,10 @@ def test_a_time_budget_run_is_the_run_of_the_epochs_it_planned(tmp_path, monkeyp
     assert "time budget" not in proc.stdout  # planned once
     budget_rows, summary = final_state(repo)
     assert len(budget_rows) == summary["epoch"] == summary["planned_epochs"] == 4
-    _, (r,) = pretrain_runs(repo)
+    client, (r,) = pretrain_runs(repo)
     assert r.data.metrics["planned_epochs"] == 4
+    walls = client.get_metric_history(r.info.run_id, "wall_time_s")  # per epoch, then the summary's at the end
+    assert min(m.step for m in walls) > 0  # none at step 0, where a chart over steps would start at the end
 
     set_params(repo, **{"pretrain.epochs": 4, "pretrain.time_budget_minutes": None})
     proc = run(["python", "-m", "stages.pretrain"], repo)
