@@ -141,7 +141,11 @@ def load_finetune_start(params: Params, classes: list[str],
 
 def _load_external(params: Params, path: Path) -> VisionTransformer:
     """Weights from a file (ours, timm's or torchvision's key layout), built at their own patch size and
-    grid; the caller then moves the model to the fine-tune resolution with the configured interpolation."""
+    grid; the caller then moves the model to the fine-tune resolution with the configured interpolation.
+
+    A weights file records neither its grid's shape nor the head count: the grid is taken as square (a
+    non-square one needs a model directory, whose config.json has it) and heads come from ``model.*``.
+    """
     kinds = "a model directory, .safetensors or .pt file"
     if not path.exists():
         raise FileNotFoundError(f"finetune.init: {path} does not exist ({kinds})")
@@ -158,20 +162,33 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
         if params.finetune.init_source != "pipeline":
             state = convert_state_dict(state, params.finetune.init_source, drop_head=True)
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
-        width, _, patch, _ = state["patch_embed.proj.weight"].shape
-        grid = math.isqrt(state["pos_embed"].shape[1] - 1)
+        width, _, ph, pw = state["patch_embed.proj.weight"].shape
+        tokens = state["pos_embed"].shape[1] - 1
     except KeyError as exc:
         raise ValueError(f"finetune.init: {path} has no {exc} ({layout})") from None
     except ValueError as exc:  # keys the named layout does not have
         raise ValueError(f"finetune.init: {path}: {exc} ({layout})") from None
-    model = build_model(params.model, patch_size=patch, image_size=grid * patch, num_classes=0)
+    side = math.isqrt(tokens)
+    if ph != pw or side * side != tokens:
+        raise ValueError(f"finetune.init: {path} has {ph}x{pw} patches and {tokens} grid positions, but a weights "
+                         "file alone is read as square patches on a square grid: give a model directory (with its "
+                         f"config.json) instead ({layout})")
+    model = build_model(params.model, patch_size=ph, image_size=side * ph, num_classes=0)
     if model.config.embed_dim != width:
         raise ValueError(f"finetune.init: {path} is {width} wide but model.preset={params.model.preset!r} is "
-                         f"{model.config.embed_dim} wide (set model.preset / model.embed_dim to match)")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if not m.startswith("head.")]:
-        raise ValueError(f"finetune.init: {path} does not fit model.preset={params.model.preset!r} "
-                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+                         f"{model.config.embed_dim} wide (set model.preset / model.embed_dim to match, and num_heads: "
+                         "a weights file does not record it)")
+    own = model.state_dict()
+    wrong = [f"{k} {list(v.shape)} vs {list(own[k].shape)}" for k, v in state.items()
+             if k in own and v.shape != own[k].shape]
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if wrong or missing or unexpected:
+        found = "; ".join(f"{what} {keys[:5]}" for what, keys in
+                          (("shapes (file vs model)", wrong), ("missing", missing), ("unexpected", unexpected)) if keys)
+        raise ValueError(f"finetune.init: {path} does not fit model.preset={params.model.preset!r} ({found}); "
+                         "set model.preset / embed_dim / depth / num_heads / mlp_ratio to match (a weights "
+                         "file does not record num_heads)")
+    model.load_state_dict(state)
     return model
 
 

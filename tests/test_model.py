@@ -128,6 +128,28 @@ def test_inference_in_place_path_matches_autograd_path(pool):
     torch.testing.assert_close(mlp_out, model.blocks[0].mlp(tokens).detach(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+def test_torchscript_export_runs_with_grad(pool, tmp_path):
+    """The export traces under no_grad; the in-place inference ops must not be baked into the graph, so the
+    exported model still backpropagates (saliency, fine-tuning it) and gives the eager model's numbers."""
+    from pipeline.export import export_torchscript, load_torchscript
+
+    model = _perturb(nano(pool=pool))
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        export_torchscript(model, x, tmp_path / "model.torchscript.pt")
+        expected = model(x)
+    traced = load_torchscript(tmp_path / "model.torchscript.pt")
+    xt, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = traced(xt)
+    out.sum().backward()
+    model(xe).sum().backward()
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xt.grad, xe.grad, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_mean_pool_averages_patch_tokens_only():
     model = nano(pool="mean").eval()
     tokens = torch.randn(2, 17, 64)
@@ -262,6 +284,29 @@ def test_convert_timm_same_logits():
         out, expected = ours(x), ref(x)
     assert expected.std(0).mean() > 1e-3  # logits actually depend on the image
     assert (out - expected).abs().max() <= 1e-4
+
+
+def test_convert_timm_no_embed_class_same_logits():
+    """timm's ``no_embed_class`` layout (DeiT III, FlexiViT: no [CLS] position) is a zero [CLS] position here."""
+    timm_vit = pytest.importorskip("timm.models.vision_transformer")
+    ref = _perturb(timm_vit.VisionTransformer(
+        img_size=64, patch_size=16, embed_dim=64, depth=2, num_heads=4, num_classes=7, no_embed_class=True,
+    ))
+    assert ref.pos_embed.shape[1] == 16
+    ours = build_vit("nano", patch_size=16, image_size=64, num_classes=7, depth=2).eval()
+    converted = convert_state_dict(ref.state_dict(), "timm")
+    assert not converted["pos_embed"][:, 0].any()
+    ours.load_state_dict(converted, strict=True)
+    x = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        out, expected = ours(x), ref(x)
+    assert expected.std(0).mean() > 1e-3
+    assert (out - expected).abs().max() <= 1e-4
+    assert convert_state_dict(ref.state_dict(), "timm", grid=(6, 6))["pos_embed"].shape == (1, 37, 64)
+    # a [CLS] layout whose token count is square (1 + 2*4) is told apart by its source_grid
+    wide = timm_vit.VisionTransformer(img_size=(32, 64), patch_size=16, embed_dim=64, depth=2, num_heads=4)
+    kept = convert_state_dict(wide.state_dict(), "timm", source_grid=(2, 4))["pos_embed"]
+    assert torch.equal(kept, wide.pos_embed.detach())
 
 
 def test_convert_torchvision_same_logits():
@@ -535,6 +580,42 @@ def test_finetune_start_from_timm_weights_file(tmp_path):
                                          r"have no equivalent .*\(is finetune.init_source='torchvision' right\? "
                                          r"valid: pipeline, timm, torchvision\)$"):
         load_finetune_start(wrong, classes=list("0123456789"))
+
+
+def test_finetune_start_refuses_a_weights_file_that_does_not_fit(tmp_path):
+    """A weights file records no grid shape: non-square patches or grids are refused (a model directory has
+    them), and any shape mismatch is a ValueError naming the file, the keys and the params to set."""
+    import timm.models.vision_transformer as tvit
+
+    from pipeline.config import load_params
+    from pipeline.training import load_finetune_start
+
+    root = Path(__file__).resolve().parents[1]
+
+    def start(name, **timm_kw):
+        kw = {"img_size": 32, "patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 4, "num_classes": 0,
+              **timm_kw}
+        torch.save(tvit.VisionTransformer(**kw).state_dict(), tmp_path / name)
+        params = load_params(root / "params.yaml", overrides={
+            "model.depth": 2, "finetune.init": str(tmp_path / name), "finetune.init_source": "timm",
+            "finetune.image_size": 32, "finetune.patch_size": 4})
+        return load_finetune_start(params, classes=list("0123456789"))
+
+    for name, kw in (("patch.pt", {"patch_size": (8, 4)}), ("grid.pt", {"img_size": (16, 24)})):
+        with pytest.raises(ValueError, match=rf"^finetune.init: {tmp_path / name} has .* give a model directory"):
+            start(name, **kw)
+    with pytest.raises(ValueError, match=rf"^finetune.init: {tmp_path / 'mlp.pt'} does not fit .*"
+                                         r"blocks.0.mlp.fc1.weight \[128, 64\] vs \[256, 64\].*"
+                                         r"set model.preset / embed_dim / depth / num_heads / mlp_ratio"):
+        start("mlp.pt", mlp_ratio=2.0)
+    with pytest.raises(ValueError, match=r"does not fit .*unexpected \['blocks.2.*depth"):
+        start("deep.pt", depth=3)
+    assert not start("flexi.pt", no_embed_class=True).pos_embed[:, 0].any()  # timm's no_embed_class layout
+    ours = tmp_path / "ours"  # a non-square grid comes as a model directory
+    save_model(nano(image_size=(8, 32), num_classes=0, depth=2), ours)
+    start_dir = load_params(root / "params.yaml", overrides={"finetune.init": str(ours),
+                                                               "finetune.image_size": 32, "finetune.patch_size": 4})
+    assert load_finetune_start(start_dir, classes=list("0123456789")).config.grid_size == (8, 8)
 
 
 def test_finetune_keeps_the_head_only_for_the_pretrained_classes(tmp_path, capsys):

@@ -6,11 +6,12 @@ every module. Position embeddings are resampled when the target grid differs
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
 
-from .resample import resample_pos_embed
+from .resample import _as_pair, resample_pos_embed
 
 __all__ = ["convert_state_dict", "SOURCES"]
 
@@ -46,6 +47,23 @@ def _rename_torchvision(key: str) -> str | None:
     return None
 
 
+def _with_cls_position(pos_embed: torch.Tensor, source_grid) -> torch.Tensor:
+    """timm's ``no_embed_class=True`` layout (DeiT III, FlexiViT) stores no [CLS] position: it adds the grid's
+    position embedding before prepending the class token, which equals a zero [CLS] entry, so add one.
+
+    Told apart by the token count: the grid's alone (``source_grid``, else a square; ``1 + side**2`` never is).
+    """
+    n = pos_embed.shape[1]
+    if source_grid is None:
+        grid_only = math.isqrt(n) ** 2 == n
+    else:
+        gh, gw = _as_pair("source_grid", source_grid)
+        grid_only = n == gh * gw
+    if not grid_only:
+        return pos_embed
+    return torch.cat([pos_embed.new_zeros(pos_embed.shape[0], 1, pos_embed.shape[2]), pos_embed], dim=1)
+
+
 def convert_state_dict(
     state_dict: dict[str, torch.Tensor],
     source: str,
@@ -59,11 +77,12 @@ def convert_state_dict(
     """Return a state dict loadable (``strict=True``) into :class:`VisionTransformer`.
 
     ``source``: ``"timm"`` (class token, token pooling, no register tokens / layer
-    scale / fc_norm) or ``"torchvision"`` (``vit_*`` without ``representation_size``).
+    scale / fc_norm; ``no_embed_class`` checkpoints get a zero [CLS] position) or
+    ``"torchvision"`` (``vit_*`` without ``representation_size``).
     ``grid``: the target patch grid ``(h, w)``; the position embedding is resampled
-    to it if it differs from ``source_grid`` (default: square). ``drop_head``
-    removes the classifier, for fine-tuning on a new label set (load with
-    ``strict=False`` or after ``reset_classifier``).
+    to it if it differs from ``source_grid`` (default: square; it also tells timm's
+    two position layouts apart). ``drop_head`` removes the classifier, for fine-tuning
+    on a new label set (load with ``strict=False`` or after ``reset_classifier``).
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
@@ -85,6 +104,8 @@ def convert_state_dict(
         )
     if "pos_embed" not in out or "cls_token" not in out:
         raise ValueError(f"not a class-token ViT {source} state dict: missing position embedding or class token")
+    if source == "timm":
+        out["pos_embed"] = _with_cls_position(out["pos_embed"], source_grid)
     if grid is not None:
         out["pos_embed"] = resample_pos_embed(
             out["pos_embed"], grid, old_grid=source_grid, num_prefix_tokens=1, mode=mode, antialias=antialias
