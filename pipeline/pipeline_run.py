@@ -5,8 +5,9 @@ every params.yaml value (flattened, ``model.patch_size``, ``finetune.interpolati
 ``world_size``; tags for the DVC experiment name, the git commit and the dvc.lock hash; the shards as
 MLflow dataset inputs; and, as each stage finishes, that stage's results and wall time. Its start is
 the first stage's start and its end moves to the end of each stage that finishes, so the run spans the
-pipeline. Stages DVC skipped (unchanged, e.g. pretrain under a fine-tune sweep) are filled in from
-their ``metrics/<stage>.json`` and, for training stages, from the run that produced the model.
+pipeline. Stages DVC skipped (unchanged, e.g. pretrain under a fine-tune sweep, or export when only
+evaluate changed) are filled in from their ``metrics/<stage>.json`` and the run that produced their
+output, whether DVC skipped them before or after the stage that ran.
 """
 from __future__ import annotations
 
@@ -157,15 +158,24 @@ def dataset_inputs(stage: str) -> list:
 
 
 def log_datasets(client, run_ids: list[str], stage: str) -> None:
-    """The stage's shards as inputs of its run and of the pipeline run (a warning if that fails)."""
+    """The stage's shards as inputs of its run and of the pipeline run (a warning if that fails); inputs a
+    run already has are left out (a reused stage's shards are often a running stage's too)."""
     try:
         inputs = dataset_inputs(stage)
         for run_id in run_ids if inputs else ():
-            client.log_inputs(run_id, datasets=inputs)
+            have = {_input_key(i) for i in client.get_run(run_id).inputs.dataset_inputs}
+            new = [i for i in inputs if _input_key(i) not in have]
+            if new:
+                client.log_inputs(run_id, datasets=new)
     except Exception as exc:  # noqa: BLE001 - an unreadable manifest must not stop the training
         import sys
 
         print(f"[{stage}] warning: could not log the datasets to MLflow: {exc}", file=sys.stderr, flush=True)
+
+
+def _input_key(dataset_input) -> tuple:
+    ds = dataset_input.dataset
+    return ds.name, ds.digest, tuple((t.key, t.value) for t in dataset_input.tags)
 
 
 # --------------------------------------------------------------------------- results
@@ -175,13 +185,17 @@ TEST_METRICS = ("top1", "top5", "loss", "ece", "top1_single_view")  # of metrics
 # top1_single_view with evaluate.tta only
 
 
-def stage_results(stage: str) -> dict[str, float]:
-    """The numbers of ``metrics/<stage>.json`` worth comparing across pipelines, keyed for the parent."""
-    path = METRICS_DIR / f"{stage}.json"
+def _read_metrics(stage: str) -> dict:
     try:
-        m = json.loads(path.read_text())
+        m = json.loads((METRICS_DIR / f"{stage}.json").read_text())
     except (OSError, ValueError):
         return {}
+    return m if isinstance(m, dict) else {}
+
+
+def stage_results(stage: str) -> dict[str, float]:
+    """The numbers of ``metrics/<stage>.json`` worth comparing across pipelines, keyed for the parent."""
+    m = _read_metrics(stage)
     out: dict[str, float] = {}
     if stage in TRAINING_STAGES:
         for k in ("val_top1", "val_loss", "train_loss", "train_top1", "kept_val_top1", "kept_epoch"):
@@ -206,6 +220,12 @@ def stage_results(stage: str) -> dict[str, float]:
     return out
 
 
+def _result_keys(stage: str, keys) -> set[str]:
+    """Which of the pipeline run's metric names ``stage`` logs (as :func:`stage_results` keys them)."""
+    prefixes = ("test_", "macro_", "top1_at_") if stage == "evaluate" else (f"{stage}.",)
+    return {k for k in keys if k.startswith(prefixes) and k != f"{stage}.wall_s"}
+
+
 def log_results(client, parent: str, metrics: dict[str, float]) -> None:
     from mlflow.entities import Metric
 
@@ -216,9 +236,14 @@ def log_results(client, parent: str, metrics: dict[str, float]) -> None:
 
 
 def _producing_run(client, stage: str):
-    """For a skipped training stage: the MLflow run that wrote models/<stage> (its id is in config.json)."""
+    """For a skipped stage: the MLflow run that made its output -- a training stage's id is in
+    models/<stage>/config.json, export's is the source run of the version metrics/export.json names."""
     try:
-        run_id = json.loads((MODELS_DIR / stage / "config.json").read_text()).get("mlflow_run_id")
+        if stage == "export":
+            version = _read_metrics("export")["registered_model"]
+            run_id = client.get_model_version(version["name"], str(version["version"])).run_id
+        else:
+            run_id = json.loads((MODELS_DIR / stage / "config.json").read_text()).get("mlflow_run_id")
         return client.get_run(run_id) if run_id else None
     except Exception:  # noqa: BLE001 - another store, a deleted run: the metrics file still counts
         return None
@@ -240,15 +265,16 @@ def _tag_device(client, parent: str, stage: str, run) -> None:
         client.set_tag(parent, f"{stage}.device", device)
 
 
-def backfill_skipped(client, experiment_id: str, parent: str, pid: str, upto: str) -> None:
-    """Stages before ``upto`` (in dvc.yaml order) that did not run under this pipeline -- DVC found them up
-    to date -- get their results from their outputs (a stage that still runs later overwrites them)."""
-    ran = {r.data.tags.get("stage") for r in client.search_runs(
+def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished: str) -> None:
+    """Every other stage that has not run under this pipeline -- DVC found it up to date, or it is still to
+    run -- gets its results, producing run and shards from its outputs, tagged reused; a stage that does
+    run later replaces them (:func:`stage_finished`). With no metrics file there is nothing to fill in."""
+    from pipeline.registry import PIPELINE_TAG
+
+    ran = {finished} | {r.data.tags.get("stage") for r in client.search_runs(
         [experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'stage'", max_results=100)}
-    for stage in STAGES[:STAGES.index(upto)] if upto in STAGES else ():
-        if stage in ran:
-            continue
-        results = stage_results(stage)
+    for stage in STAGES:
+        results = {} if stage in ran else stage_results(stage)
         if not results:
             continue
         producer = _producing_run(client, stage)
@@ -256,16 +282,28 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, upto: st
             results[f"{stage}.wall_s"] = _wall_s(client, producer, stage)
             client.set_tag(parent, f"{stage}.run_id", producer.info.run_id)
             _tag_device(client, parent, stage, producer)
+            if stage == "export":  # the version it registered is in this store
+                version = _read_metrics("export")["registered_model"]
+                client.set_tag(parent, PIPELINE_TAG, f"models:/{version['name']}/{version['version']}")
         log_results(client, parent, results)
         client.set_tag(parent, f"{stage}.reused", "true")
+        log_datasets(client, [parent], stage)
 
 
 def stage_finished(client, parent: str, stage: str, run_id: str | None, start_ms: int, status: str) -> None:
-    """Onto the parent: the stage's wall time and (if it succeeded) results; the parent ends now."""
+    """Onto the parent: the stage's wall time and (if it succeeded) results; the parent ends now. What was
+    filled in for it before it ran (reused) goes: its other numbers become NaN, a failed export's version."""
+    from pipeline.registry import PIPELINE_TAG
+
     end = now_ms()
     metrics = {f"{stage}.wall_s": (end - start_ms) / 1000}
     if status == "FINISHED":
         metrics.update(stage_results(stage))
+    previous = client.get_run(parent).data
+    if previous.tags.get(f"{stage}.reused") == "true":
+        metrics.update(dict.fromkeys(_result_keys(stage, previous.metrics) - metrics.keys(), float("nan")))
+        if stage == "export" and status != "FINISHED" and PIPELINE_TAG in previous.tags:
+            client.delete_tag(parent, PIPELINE_TAG)
     log_results(client, parent, metrics)
     if run_id:
         client.set_tag(parent, f"{stage}.run_id", run_id)

@@ -74,7 +74,9 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
     for c in children:
         assert c.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert m[f"{c.data.tags['stage']}.wall_s"] >= (c.info.end_time - c.info.start_time) / 1000 - 0.01
-    (ds,) = parent.inputs.dataset_inputs  # evaluate and export both read the finetune test split
+    splits = {ds.tags[0].value: ds for ds in parent.inputs.dataset_inputs}  # each once
+    assert len(splits) == len(parent.inputs.dataset_inputs) and sorted(splits) == ["test", "train", "val"]
+    ds = splits["test"]  # evaluate and export both read it; train and val are the reused finetune's
     info = json.loads((workdir / "data/shards/finetune/dataset.json").read_text())
     profile = json.loads(ds.dataset.profile)
     assert ds.dataset.name == "finetune-digits-test" and ds.tags[0].value == "test"
@@ -276,3 +278,61 @@ def test_stages_given_other_params_by_vit_params_are_other_pipeline_runs(workdir
     client, _, parents = _client_and_parent(workdir)
     assert sorted(p.data.params["export.opset"] for p in parents) == ["17", "19"]
     assert sorted(p.data.tags["pipeline.id"] for p in parents) == sorted(ids.values())
+
+
+EXPORT_OK = {"passed": True, "formats": {"onnx": {"max_abs_diff": 1e-6, "top1_agreement": 1.0}}}
+
+
+def test_stages_dvc_skips_after_the_one_that_runs_are_filled_in_with_their_shards(workdir, monkeypatch):
+    """`dvc exp run -S evaluate.tta=hflip`: only evaluate runs; finetune (before it) and export (after it)
+    keep their outputs, so the pipeline run takes their numbers, producing runs, registered version and
+    shards from there. pretrain has no metrics file: left out."""
+    monkeypatch.setenv("DVC_EXP_NAME", "before")
+    with stage_run("export", load_params("params.yaml")) as old_export:  # the pipeline that made them
+        client, _, _ = _client_and_parent(workdir)
+        version = _register(client, old_export)
+    (workdir / "metrics/export.json").write_text(json.dumps(
+        {**EXPORT_OK, "registered_model": {"name": "vit-pipeline", "version": version,
+                                           "uri": f"models:/vit-pipeline/{version}"}}))
+    (workdir / "metrics/finetune.json").write_text(json.dumps({"val_top1": 0.75}))
+    shutil.copytree(workdir / "data/shards/finetune", workdir / "data/shards/pretrain")
+    monkeypatch.setenv("DVC_EXP_NAME", "tta-hflip")
+    _stage("evaluate", load_params("params.yaml", {"evaluate.tta": "hflip"}), {"top1": 0.5})
+    client, _, parents = _client_and_parent(workdir)
+    (before,) = [p for p in parents if p.info.run_name == "before"]
+    (parent,) = [p for p in parents if p.info.run_name == "tta-hflip"]
+    m, t = parent.data.metrics, parent.data.tags
+    assert m["test_top1"] == 0.5 and t["evaluate.reused"] == "false"
+    assert m["export.passed"] == 1.0 and m["export.onnx.max_abs_diff"] == 1e-6 and t["export.reused"] == "true"
+    assert m["export.wall_s"] == before.data.metrics["export.wall_s"]  # as its own pipeline run has it
+    assert t["export.run_id"] == old_export.info.run_id and t["registered_model"] == f"models:/vit-pipeline/{version}"
+    assert m["finetune.val_top1"] == 0.75 and t["finetune.reused"] == "true"
+    assert not any(k.startswith("pretrain.") for k in [*m, *t])
+    inputs = sorted((i.dataset.name, i.tags[0].value) for i in parent.inputs.dataset_inputs)
+    assert inputs == [("finetune-digits-test", "test"), ("finetune-digits-train", "train"),
+                      ("finetune-digits-val", "val")]  # finetune's reused shards, evaluate's and export's once
+
+
+def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir):
+    """A full `dvc repro`: when finetune ends, evaluate and export (still to run) are filled in from their
+    previous outputs; when they then run, their own results replace those, and numbers they no longer
+    log (another resolution, a failed export's parity, its registered version) do not stay."""
+    params = load_params("params.yaml")
+    (workdir / "metrics/evaluate.json").write_text(json.dumps({"top1": 0.25, "resolution_sweep": {"24": 0.2}}))
+    (workdir / "metrics/export.json").write_text(json.dumps(EXPORT_OK))
+    _stage("finetune", params, {"val_top1": 0.75})
+    _, _, (parent,) = _client_and_parent(workdir)
+    assert parent.data.metrics["test_top1"] == 0.25 and parent.data.metrics["export.passed"] == 1.0
+    assert parent.data.tags["evaluate.reused"] == parent.data.tags["export.reused"] == "true"
+    client, _, _ = _client_and_parent(workdir)
+    client.set_tag(parent.info.run_id, "registered_model", "models:/vit-pipeline/1")  # as an earlier export's
+    _stage("evaluate", params, {"top1": 0.5, "resolution_sweep": {"32": 0.5}})
+    (workdir / "metrics/export.json").unlink()  # DVC removes a stage's outputs before it runs it
+    with pytest.raises(RuntimeError):
+        _stage("export", params, fail=True)
+    _, _, (parent,) = _client_and_parent(workdir)
+    m, t = parent.data.metrics, parent.data.tags
+    assert m["test_top1"] == 0.5 and m["top1_at_32px"] == 0.5 and t["evaluate.reused"] == "false"
+    assert m["top1_at_24px"] != m["top1_at_24px"] and m["export.passed"] != m["export.passed"]  # NaN
+    assert m["export.onnx.max_abs_diff"] != m["export.onnx.max_abs_diff"] and m["finetune.val_top1"] == 0.75
+    assert t["export.reused"] == "false" and t["export.status"] == "FAILED" and "registered_model" not in t
