@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import io
 from pathlib import Path
 
 import mlflow
@@ -15,7 +16,7 @@ from pipeline.cluster import worker_resources
 from pipeline.config import TRAINING_STAGES, Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info
 from pipeline.inference import Predictions, predict_rank, predict_split, scored_metrics, views_note
-from pipeline.metrics import attention_rollout, confusion_matrix, per_class
+from pipeline.metrics import attention_rollout, confusion_matrix, macro_scores, per_class, predicted_class
 from pipeline.model import VisionTransformer, attention_maps, load_model
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_attention, plot_confusion, plot_history
@@ -67,7 +68,7 @@ def resolution_sweep(model: VisionTransformer, shard_dir, params: Params, normal
         m = copy.deepcopy(model)
         m.set_input_size(image_size=res, mode=interp.mode, antialias=interp.antialias)
         scored = distributed_predict(m, shard_dir, "test", params, image_size=res, normalize=normalize)
-        out[str(res)] = (scored.logits.argmax(1) == scored.labels).float().mean().item()
+        out[str(res)] = (predicted_class(scored.logits) == scored.labels).float().mean().item()
     return out
 
 
@@ -78,6 +79,15 @@ def _read_history(path: Path) -> list[dict]:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
+def csv_text(header: list[str], rows) -> str:
+    """CSV with fields quoted where needed: Hugging Face class names hold commas ("tench, Tinca tinca")."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
 def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path, n: int = 8) -> None:
     """Attention rollout of the first ``n`` test images, overlaid on the images."""
     normalize = meta["normalize"]
@@ -85,7 +95,7 @@ def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path
                                                 rank=0, world_size=1, augment=normalize)))
     model.eval()
     with torch.no_grad():
-        preds = model(images).argmax(1)
+        preds = predicted_class(model(images))
         relevance = attention_rollout(attention_maps(model, images))
     gh, gw = model.config.grid_size
     maps = relevance.reshape(-1, gh, gw)
@@ -117,17 +127,17 @@ def evaluate(params: Params) -> dict:
         logits, labels = scored.logits, scored.labels
         check_exactly_once(labels, info, "test")
         metrics = scored_metrics(scored, params.evaluate.tta)
-        preds = logits.argmax(1)
+        preds = predicted_class(logits)
         matrix = confusion_matrix(preds, labels, len(classes))
         scores = per_class(matrix, classes)
-        for k in ("precision", "recall", "f1"):
-            metrics[f"macro_{k}"] = float(np.mean([s[k] for s in scores]))
+        metrics.update(macro_scores(scores))
         metrics["resolution_sweep"] = resolution_sweep(model, shard_dir, params, normalize)
 
-        rows = ["actual,predicted"] + [f"{classes[a]},{classes[p]}" for a, p in zip(labels.tolist(), preds.tolist())]
-        atomic_write_text(out[PLOTS / "confusion.csv"], "\n".join(rows) + "\n")
-        atomic_write_text(out[PLOTS / "per_class.csv"], "class,precision,recall,f1,support\n" + "".join(
-            f"{s['class']},{s['precision']:.6f},{s['recall']:.6f},{s['f1']:.6f},{s['support']}\n" for s in scores))
+        atomic_write_text(out[PLOTS / "confusion.csv"], csv_text(
+            ["actual", "predicted"], ([classes[a], classes[p]] for a, p in zip(labels.tolist(), preds.tolist()))))
+        scored = ("precision", "recall", "f1")  # "nan" for a class neither tested nor predicted: DVC's bars skip it
+        atomic_write_text(out[PLOTS / "per_class.csv"], csv_text(["class", *scored, "support"], (
+            [s["class"], *(f"{s[k]:.6f}" for k in scored), s["support"]] for s in scores)))
         plot_confusion(matrix, classes, out[PLOTS / "confusion.png"])
         histories = {s: _read_history(PLOTS / f"{s}_history.csv") for s in TRAINING_STAGES}
         plot_history({s: h for s, h in histories.items() if h}, out[PLOTS / "curves.png"])

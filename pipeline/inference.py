@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pipeline.data import make_eval_loader
 from pipeline.data.transforms import resolve_augment
-from pipeline.metrics import classification_metrics
+from pipeline.metrics import classification_metrics, predicted_class
 from pipeline.model import ViTConfig, VisionTransformer
 
 
@@ -78,7 +78,7 @@ def predict_split(model: VisionTransformer, shard_dir, split: str, *, image_size
                                       rank=rank, world_size=world_size, augment=normalize, device=device):
         first = model(images).float()  # views[0]: the image itself
         mean = (first + sum(model(apply_view(images, v, black)).float() for v in views[1:])) / len(views)
-        parts.append(Predictions(mean.cpu(), y.cpu(), first.argmax(1).cpu()))
+        parts.append(Predictions(mean.cpu(), y.cpu(), predicted_class(first).cpu()))
     if not parts:
         return Predictions(torch.empty(0, model.config.num_classes), torch.empty(0, dtype=torch.long),
                            torch.empty(0, dtype=torch.long))

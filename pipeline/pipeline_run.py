@@ -181,6 +181,8 @@ def _input_key(dataset_input) -> tuple:
 # --------------------------------------------------------------------------- results
 
 
+# The pipeline run's tag naming the registered version its export stage made (``models:/name/version``).
+REGISTERED_MODEL_TAG = "registered_model"
 TEST_METRICS = ("top1", "top5", "loss", "ece", "top1_single_view")  # of metrics/evaluate.json, as test_<name>;
 # top1_single_view with evaluate.tta only
 
@@ -269,8 +271,6 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished
     """Every other stage that has not run under this pipeline -- DVC found it up to date, or it is still to
     run -- gets its results, producing run and shards from its outputs, tagged reused; a stage that does
     run later replaces them (:func:`stage_finished`). With no metrics file there is nothing to fill in."""
-    from pipeline.registry import PIPELINE_TAG
-
     ran = {finished} | {r.data.tags.get("stage") for r in client.search_runs(
         [experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'stage'", max_results=100)}
     for stage in STAGES:
@@ -284,7 +284,7 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished
             _tag_device(client, parent, stage, producer)
             if stage == "export":  # the version it registered is in this store
                 version = _read_metrics("export")["registered_model"]
-                client.set_tag(parent, PIPELINE_TAG, f"models:/{version['name']}/{version['version']}")
+                client.set_tag(parent, REGISTERED_MODEL_TAG, f"models:/{version['name']}/{version['version']}")
         log_results(client, parent, results)
         client.set_tag(parent, f"{stage}.reused", "true")
         log_datasets(client, [parent], stage)
@@ -293,8 +293,6 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished
 def stage_finished(client, parent: str, stage: str, run_id: str | None, start_ms: int, status: str) -> None:
     """Onto the parent: the stage's wall time and (if it succeeded) results; the parent ends now. What was
     filled in for it before it ran (reused) goes: its other numbers become NaN, a failed export's version."""
-    from pipeline.registry import PIPELINE_TAG
-
     end = now_ms()
     metrics = {f"{stage}.wall_s": (end - start_ms) / 1000}
     if status == "FINISHED":
@@ -302,8 +300,8 @@ def stage_finished(client, parent: str, stage: str, run_id: str | None, start_ms
     previous = client.get_run(parent).data
     if previous.tags.get(f"{stage}.reused") == "true":
         metrics.update(dict.fromkeys(_result_keys(stage, previous.metrics) - metrics.keys(), float("nan")))
-        if stage == "export" and status != "FINISHED" and PIPELINE_TAG in previous.tags:
-            client.delete_tag(parent, PIPELINE_TAG)
+        if stage == "export" and status != "FINISHED" and REGISTERED_MODEL_TAG in previous.tags:
+            client.delete_tag(parent, REGISTERED_MODEL_TAG)
     log_results(client, parent, metrics)
     if run_id:
         client.set_tag(parent, f"{stage}.run_id", run_id)

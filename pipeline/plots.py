@@ -37,6 +37,14 @@ def plot_history(histories: dict[str, list[dict]], path: str | Path) -> None:
     _save(fig, path)
 
 
+def x_label_style(labels: list[str]) -> dict:
+    """Column labels slanted, ending under their column, once any is longer than a column is wide
+    (~4 characters) whatever the number of classes; short ones ("0" … "99") stay upright and centred."""
+    if max(map(len, labels), default=0) > 3:
+        return {"rotation": 45, "ha": "right", "rotation_mode": "anchor"}
+    return {"rotation": 0, "ha": "center"}
+
+
 def plot_confusion(matrix: np.ndarray, classes: list[str], path: str | Path) -> None:
     """Row-normalised confusion matrix with counts in the cells."""
     n = len(classes)
@@ -45,7 +53,7 @@ def plot_confusion(matrix: np.ndarray, classes: list[str], path: str | Path) -> 
     fig, ax = plt.subplots(figsize=(size, size * 0.9))
     im = ax.imshow(norm, cmap="Blues", vmin=0, vmax=1)
     ax.set(xticks=range(n), yticks=range(n), xlabel="predicted", ylabel="actual", title="confusion matrix (test)")
-    ax.set_xticklabels(classes, rotation=45 if n > 10 else 0, ha="right" if n > 10 else "center")
+    ax.set_xticklabels(classes, **x_label_style(classes))
     ax.set_yticklabels(classes)
     if n <= 30:
         for i in range(n):

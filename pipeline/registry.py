@@ -15,8 +15,6 @@ from typing import Any
 from pipeline import pipeline_run, storage
 from pipeline.model.io import ModelFileError
 
-# The pipeline run's tag naming the registered version its export stage made (``models:/name/version``).
-PIPELINE_TAG = "registered_model"
 # A stage run's tag naming the fine-tune run that trained the model it used (models/finetune/config.json).
 MODEL_RUN_TAG = "finetune.run_id"
 MODEL_URI = "models:/"  # a registered version: models:/<name>/<version> or models:/<name>@<alias>
@@ -97,7 +95,7 @@ def record_version(client, run, name: str, version: int, meta: dict[str, Any]) -
         client.set_model_version_tag(name, str(version), k, v)
     parent = client.get_run(tags["pipeline.run_id"])
     client.update_model_version(name, str(version), description=describe(tags, parent.info.run_name))
-    client.set_tag(tags["pipeline.run_id"], PIPELINE_TAG, f"models:/{name}/{version}")
+    client.set_tag(tags["pipeline.run_id"], pipeline_run.REGISTERED_MODEL_TAG, f"models:/{name}/{version}")
     return tags
 
 
