@@ -33,7 +33,8 @@ def plot_history(histories: dict[str, list[dict]], path: str | Path) -> None:
     ax_acc.set(title="top-1", xlabel="epoch", ylim=(0, 1))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # no history (a model trained elsewhere): no legend, no warning
+            ax.legend(fontsize=8)
     _save(fig, path)
 
 
