@@ -88,6 +88,17 @@ def csv_text(header: list[str], rows) -> str:
     return buf.getvalue()
 
 
+def write_class_tables(confusion_csv: Path, per_class_csv: Path, classes: list[str], labels: torch.Tensor,
+                       preds: torch.Tensor, scores: list[dict]) -> None:
+    """Each test image's actual and predicted class, and :func:`per_class`'s scores ("nan" for a class
+    neither tested nor predicted: DVC's bars skip it)."""
+    pairs = zip(labels.tolist(), preds.tolist())
+    atomic_write_text(confusion_csv, csv_text(["actual", "predicted"], ([classes[a], classes[p]] for a, p in pairs)))
+    columns = ("precision", "recall", "f1")
+    atomic_write_text(per_class_csv, csv_text(["class", *columns, "support"], (
+        [s["class"], *(f"{s[k]:.6f}" for k in columns), s["support"]] for s in scores)))
+
+
 def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path, n: int = 8) -> None:
     """Attention rollout of the first ``n`` test images, overlaid on the images."""
     normalize = meta["normalize"]
@@ -133,11 +144,7 @@ def evaluate(params: Params) -> dict:
         metrics.update(macro_scores(scores))
         metrics["resolution_sweep"] = resolution_sweep(model, shard_dir, params, normalize)
 
-        atomic_write_text(out[PLOTS / "confusion.csv"], csv_text(
-            ["actual", "predicted"], ([classes[a], classes[p]] for a, p in zip(labels.tolist(), preds.tolist()))))
-        scored = ("precision", "recall", "f1")  # "nan" for a class neither tested nor predicted: DVC's bars skip it
-        atomic_write_text(out[PLOTS / "per_class.csv"], csv_text(["class", *scored, "support"], (
-            [s["class"], *(f"{s[k]:.6f}" for k in scored), s["support"]] for s in scores)))
+        write_class_tables(out[PLOTS / "confusion.csv"], out[PLOTS / "per_class.csv"], classes, labels, preds, scores)
         plot_confusion(matrix, classes, out[PLOTS / "confusion.png"])
         histories = {s: _read_history(PLOTS / f"{s}_history.csv") for s in TRAINING_STAGES}
         plot_history({s: h for s, h in histories.items() if h}, out[PLOTS / "curves.png"])
