@@ -91,7 +91,8 @@ case $cmd in
       > "$dir/start.log" 2>&1 || { cat "$dir/start.log" >&2; "$0" stop >/dev/null 2>&1 || true; die "ray start failed"; }
     {
       echo "export RAY_AUTH_MODE=token"
-      [[ -n ${RAY_AUTH_TOKEN_PATH:-} ]] && echo "export RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH"
+      # %q: the file is sourced, and the path may hold spaces or shell characters
+      [[ -n ${RAY_AUTH_TOKEN_PATH:-} ]] && printf 'export RAY_AUTH_TOKEN_PATH=%q\n' "$RAY_AUTH_TOKEN_PATH"
       echo "export RAY_API_SERVER_ADDRESS=http://$(api_host):$dport"
       echo "export RAY_HEAD_GCS_ADDRESS=$(hostname -I 2>/dev/null | awk '{print $1}'):$port"
     } > "$dir/env"

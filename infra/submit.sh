@@ -30,7 +30,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 opts=()
 while [[ $# -gt 0 && $1 != -- ]]; do
-  case $1 in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
+  # after the cd above: "$0" may be relative to the caller's directory, infra/submit.sh is not
+  case $1 in -h|--help) sed -n '2,/^set -euo/p' infra/submit.sh | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
   opts+=("$1"); shift
 done
 [[ ${1:-} == -- ]] && shift
@@ -38,6 +39,10 @@ entry=("$@")
 [[ ${#entry[@]} -gt 0 ]] || entry=(bash infra/job.sh pretrain finetune evaluate export)
 
 : "${VIT_WORKSPACE:?set VIT_WORKSPACE to a shared path or s3:// prefix the cluster can reach (see infra/README.md)}"
+# A relative path would resolve inside the job's uploaded working dir (job.sh cd's to it there): the
+# outputs would land in a temp dir on one node and be lost.
+[[ $VIT_WORKSPACE == /* || $VIT_WORKSPACE == *://* ]] || {
+  echo "submit: VIT_WORKSPACE=$VIT_WORKSPACE must be an absolute path (as the cluster's nodes mount it) or an s3:// prefix" >&2; exit 2; }
 params=${VIT_PARAMS:-params.yaml}
 [[ $params == /* ]] && { echo "submit: VIT_PARAMS must be relative to the repo root (it is uploaded with it)" >&2; exit 2; }
 [[ -f $params ]] || { echo "submit: $params not found in $(pwd)" >&2; exit 2; }

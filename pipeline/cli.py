@@ -8,12 +8,13 @@ import inspect
 import logging
 import os
 import signal
+import socket
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from pipeline import storage
+from pipeline import outputs, storage
 from pipeline.config import TRAINING_STAGES, ConfigError, Params, load_params, params_file
 from pipeline.signals import raise_on_signals, received
 from pipeline.utils import freeze_heap_at_exit
@@ -36,13 +37,13 @@ def stage_lock(name: str) -> Iterator[None]:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):  # ENOLCK: an NFS mount without a lock service
+                raise OSError(exc.errno, f"cannot lock ({exc.strerror})", str(path)) from None
             f.seek(0)
             raise StageBusy(f"stage {name!r} is already running in {Path.cwd()} (pid {f.read().strip() or '?'}, "
                             f"lock {path}); wait for it to finish or stop it first") from None
         f.truncate(0)
-        f.write(str(os.getpid()))
+        f.write(f"{os.getpid()} on {socket.gethostname()}")  # a checkout on NFS: the pid may be another host's
         f.flush()
         yield
 
@@ -58,20 +59,28 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"].upper())  # MLflow takes "debug" too
     freeze_heap_at_exit()
+    published_before = len(outputs.published)
     try:
         params: Params = load_params(path)
         with stage_lock(name or fn.__name__):
             fn(params, *args)
     except KeyboardInterrupt as exc:
-        signum = received(exc)
-        _fail(f"error: stopped by {signal.Signals(signum).name}; outputs of this stage were not "
-              f"replaced, its MLflow run is marked KILLED; run it again to resume from the last checkpoint",
-              128 + signum)
+        _fail(_stopped_line(received(exc), outputs.published[published_before:]), 128 + received(exc))
     except Exception as exc:
         known = _known_failure(_raised_on_ray_worker(exc), name or fn.__name__)
         if known is None:
             raise  # a bug: the traceback is what its reader needs
         _fail(*known)
+
+
+def _stopped_line(signum: int, published: list[Path]) -> str:
+    """What a stop left: a stage stopped while logging to MLflow may have published its outputs already."""
+    name = signal.Signals(signum).name
+    if published:
+        return (f"error: stopped by {name} after this stage had replaced its outputs "
+                f"({', '.join(map(str, published))}); its MLflow run is marked KILLED; run it again to complete it")
+    return (f"error: stopped by {name}; outputs of this stage were not replaced, its MLflow run is marked KILLED; "
+            f"run it again to resume from the last checkpoint")
 
 
 def _check_arguments(fn: Callable[..., object], args: tuple[str, ...], label: str) -> None:

@@ -38,9 +38,9 @@ def init_ray(ray_cfg: RayConfig, *, train: bool = True) -> None:
 
     if ray.is_initialized():
         return
-    quiet = {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-    for k, v in quiet.items():
-        os.environ.setdefault(k, v)
+    # Defaults only: a value set in the environment goes to the ranks as it is (not overridden by "0").
+    quiet = {k: os.environ.setdefault(k, v)
+             for k, v in {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}.items()}
     os.environ.setdefault(REPORT_POLL_VAR, REPORT_POLL_S)
     if not sys.stdout.isatty():  # a log file or CI: a prefix (ray.verbose) without colour codes
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
@@ -129,11 +129,22 @@ def wait_for_resources(ray_cfg: RayConfig) -> None:
     """A joined cluster must offer ``num_workers`` x :func:`worker_resources`, or Ray waits forever
     without a word. It may be autoscaling: ask for the ranks, wait up to ``ray.resource_wait_s``
     saying so every 30 s, then fail with what is missing."""
-    import ray
     from ray.autoscaler.sdk import request_resources
 
     need = {k: v * ray_cfg.num_workers for k, v in worker_resources(ray_cfg).items()}
     request_resources(bundles=[worker_resources(ray_cfg)] * ray_cfg.num_workers)
+    try:
+        _wait_for(need, ray_cfg)
+    finally:
+        # The request outlives this driver ("persistent until another call", Ray's docs): left in place, it
+        # would keep the autoscaler from ever scaling the GPU nodes down (or go on launching them after a
+        # timeout). Once they are there, Ray Train's placement group holds them; idle ones time out again.
+        request_resources(bundles=[])
+
+
+def _wait_for(need: dict[str, float], ray_cfg: RayConfig) -> None:
+    import ray
+
     start = next_report = time.monotonic()
     while True:
         have = ray.cluster_resources()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
@@ -40,3 +42,27 @@ def raise_on_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in HANDLED:
             signal.signal(sig, _raise)
+
+
+@contextmanager
+def held_signals() -> Iterator[list[int]]:
+    """Record SIGTERM/SIGINT instead of acting on them, for a few steps that must finish or be undone
+    together (publishing outputs); the caller acts on what arrived. Main thread only (a no-op elsewhere)."""
+    pending: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pending
+        return
+
+    def hold(signum: int, _frame) -> None:
+        pending.append(signum)
+        _received.append(signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in HANDLED}
+    held = [sig for sig, handler in previous.items() if handler not in (signal.SIG_IGN, None)]
+    for sig in held:
+        signal.signal(sig, hold)
+    try:
+        yield pending
+    finally:
+        for sig in held:
+            signal.signal(sig, previous[sig])

@@ -57,7 +57,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write next to the target, then rename: readers never see a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".partial.{path.name}.")  # .gitignore'd if a kill leaves it
     try:
         apply_umask(tmp)
         with os.fdopen(fd, "w") as f:
