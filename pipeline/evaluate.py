@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import io
 from pathlib import Path
 
 import mlflow
@@ -23,7 +22,7 @@ from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.registry import model_run_tag
 from pipeline.tracking import stage_run
 from pipeline.train.context import local_device
-from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text
+from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text, csv_text
 
 
 def distributed_predict(model: VisionTransformer, shard_dir, split: str, params: Params, *, image_size: int,
@@ -77,15 +76,6 @@ def _read_history(path: Path) -> list[dict]:
         return []
     with open(path) as f:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
-
-
-def csv_text(header: list[str], rows) -> str:
-    """CSV with fields quoted where needed: Hugging Face class names hold commas ("tench, Tinca tinca")."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(rows)
-    return buf.getvalue()
 
 
 def write_class_tables(confusion_csv: Path, per_class_csv: Path, classes: list[str], labels: torch.Tensor,

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import atexit
+import csv
 import gc
+import io
 import json
 import os
 import tempfile
@@ -66,6 +68,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def csv_text(header: list[str], rows) -> str:
+    """CSV with fields quoted where needed: Hugging Face class names hold commas ("tench, Tinca tinca")."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buf.getvalue()
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:

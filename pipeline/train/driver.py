@@ -28,7 +28,7 @@ from pipeline.train.checkpoint import load_state
 from pipeline.train.context import latest_checkpoint, node_staging_dir, prune_checkpoints, remove_staging
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.selection import Selection
-from pipeline.utils import atomic_write_text
+from pipeline.utils import atomic_write_text, csv_text
 
 
 @dataclass
@@ -249,5 +249,4 @@ def _ray_trainer(spec: RunSpec, run: LoopRun, params: Params, storage_path: str,
 def write_history(history: list[dict], csv_path: str | Path) -> None:
     """Per-epoch metrics as CSV (a DVC plot), written atomically."""
     keys = sorted({k for row in history for k in row}, key=lambda k: (k != "epoch", k))
-    lines = [",".join(keys)] + [",".join(str(row.get(k, "")) for k in keys) for row in history]
-    atomic_write_text(csv_path, "\n".join(lines) + "\n")
+    atomic_write_text(csv_path, csv_text(keys, ([row.get(k, "") for k in keys] for row in history)))
