@@ -585,9 +585,11 @@ def test_a_launch_resumed_mid_epoch_keeps_the_time_before_its_checkpoint(digits_
     [mid] = [name for name, c in zip(list_checkpoints(str(tmp_path / "whole")), whole)
              if (c["epoch"], c["batch_in_epoch"]) == (0, 2)]
     resumed = train(tmp_path / "resumed", resume_from=str(tmp_path / "whole" / mid))[-1]
-    walls = [[h["wall_time_s"] for h in c["history"]] for c in (whole[-1], resumed)]
-    assert walls[1][0] >= 4 * 0.3 and walls[1][1] >= 8 * 0.3  # every step's sleep, the 2 before the resume too
-    assert abs(walls[1][1] - walls[0][1]) < 0.5, walls
+    walls = [h["wall_time_s"] for h in resumed["history"]]
+    # every step's sleep, the 2 before the resume too (without them: ~0.7 s for the first epoch); the two runs'
+    # totals are not compared, a loaded machine stretches either (4.7 s against 3.8 s in one suite)
+    assert walls[0] >= 4 * 0.3 and walls[1] >= 8 * 0.3, walls
+    assert len(whole[-1]["history"]) == len(resumed["history"]) == 2
 
 
 def launch_cost(step: int, ctx, seconds: str) -> None:
