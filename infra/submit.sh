@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Submit the training stages to a Ray cluster as one Ray job, and wait for it (exit 1 if it fails).
+# Submit the training stages to a Ray cluster as one Ray job, and wait for it (exit 1 unless it
+# succeeds: a job that fails, or that `ray job stop` stops).
 #
 #   bash infra/submit.sh [ray job submit options] [-- ENTRYPOINT ...]
 #   bash infra/submit.sh                                  # pretrain finetune evaluate export
@@ -74,6 +75,25 @@ print(json.dumps({"env_vars": env,
 EOF
 )
 
+# Ray's `job submit` exits 1 for a failed job but 0 for a stopped one: name the job, to ask how it ended.
+job_id="" no_wait=false
+for i in "${!opts[@]}"; do
+  case ${opts[i]} in
+    --no-wait) no_wait=true ;;
+    --submission-id) job_id=${opts[i+1]:-} ;;
+    --submission-id=*) job_id=${opts[i]#*=} ;;
+  esac
+done
+if [[ -z $job_id ]]; then
+  job_id=vit-$(date +%Y%m%d-%H%M%S)-$RANDOM
+  opts+=(--submission-id "$job_id")
+fi
+
 export RAY_AUTH_MODE=token
-ray job submit --address "${RAY_API_SERVER_ADDRESS:-http://127.0.0.1:8265}" --working-dir . \
-  --runtime-env-json "$runtime_env" "${opts[@]}" -- "${entry[@]}"
+address=${RAY_API_SERVER_ADDRESS:-http://127.0.0.1:8265}
+ray job submit --address "$address" --working-dir . --runtime-env-json "$runtime_env" "${opts[@]}" -- "${entry[@]}"
+$no_wait && exit 0
+status=$(python -c 'import sys; from ray.job_submission import JobSubmissionClient
+print(JobSubmissionClient(sys.argv[1]).get_job_status(sys.argv[2]).value)' "$address" "$job_id") || status=unknown
+[[ $status == SUCCEEDED ]] || {
+  echo "submit: job $job_id ended $status, not SUCCEEDED (its log: ray job logs --address $address $job_id)" >&2; exit 1; }

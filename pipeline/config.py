@@ -409,6 +409,9 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
         _positive(f"{stage}.{k}", getattr(t, k))
     for k in ("min_lr", "weight_decay", "warmup_epochs"):  # a negative LR multiplier or decay trains backwards
         _non_negative(f"{stage}.{k}", getattr(t, k))
+    if t.min_lr > t.lr:  # the cosine would climb from lr to min_lr
+        raise ConfigError(f"{stage}.min_lr: {t.min_lr!r} is above {stage}.lr ({t.lr!r}): the schedule would raise "
+                          f"the learning rate as it decays; set {stage}.min_lr at most {stage}.lr")
     if t.grad_clip is not None:  # clip_grad_norm_ with a negative max flips every gradient
         _positive(f"{stage}.grad_clip", t.grad_clip, nullable=True)
     if not 0.0 <= t.label_smoothing < 1.0:

@@ -13,7 +13,7 @@ import torch
 from pipeline import storage
 from pipeline.cluster import worker_resources
 from pipeline.config import TRAINING_STAGES, Params
-from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info
+from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info, require_split
 from pipeline.inference import Predictions, predict_rank, predict_split, scored_metrics, views_note
 from pipeline.metrics import attention_rollout, confusion_matrix, macro_scores, per_class, predicted_class
 from pipeline.model import VisionTransformer, attention_maps, load_model
@@ -116,6 +116,7 @@ OUTPUTS = [PLOTS / n for n in ("confusion.csv", "per_class.csv", "confusion.png"
 def evaluate(params: Params) -> dict:
     shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)
+    require_split(shard_dir, info, "test")
     check_shard_files(shard_dir, info)
     model, meta = load_model(MODELS / "finetune")
     size, normalize, classes = meta["image_size"], meta["normalize"], meta["classes"]

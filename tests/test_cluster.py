@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -206,6 +207,38 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
                       for model in (f"models:/cluster-job-model/{version.version}", str(ws / "exports")))
     assert by_uri.returncode == by_dir.returncode == 0, by_uri.stderr[-2000:]
     assert by_uri.stdout == by_dir.stdout and by_uri.stdout.startswith(f"{image}\t")
+
+
+@pytest.mark.slow
+def test_submit_exits_nonzero_when_the_job_is_stopped(ray_head, env_factory, tmp_path):
+    """`ray job submit` exits 0 when `ray job stop` stops the job it waits on; a script that chains
+    submit.sh must not take a stopped job for a finished one."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    repo = _copy_repo(tmp_path / "repo")
+    env = env_factory(**{k: v for k, v in ray_head["env"].items() if k.startswith("RAY_AUTH")},
+                      RAY_API_SERVER_ADDRESS=ray_head["api"], VIT_WORKSPACE=str(tmp_path / "workspace"))
+    job_id = f"vit-stop-{tmp_path.name[-8:].replace('_', '-')}"
+    sub = subprocess.Popen(["bash", "infra/submit.sh", "--submission-id", job_id, "--", "sleep", "600"], cwd=repo,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = JobSubmissionClient(ray_head["api"], headers={"Authorization": f"Bearer {ray_head['token']}"})
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and sub.poll() is None:
+            try:
+                if client.get_job_status(job_id) == JobStatus.RUNNING:
+                    break
+            except RuntimeError:  # not submitted yet
+                pass
+            time.sleep(1)
+        assert client.get_job_status(job_id) == JobStatus.RUNNING
+        assert client.stop_job(job_id)
+        out, _ = sub.communicate(timeout=120)
+    finally:
+        sub.kill()
+    assert client.get_job_status(job_id) == JobStatus.STOPPED
+    assert sub.returncode == 1, out[-3000:]
+    assert f"submit: job {job_id} ended STOPPED, not SUCCEEDED" in out, out[-3000:]
 
 
 @pytest.mark.slow

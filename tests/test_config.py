@@ -82,6 +82,7 @@ def test_params_yaml_and_code_defaults_agree():
     ({"pretrain.grad_clip": -1}, ["pretrain.grad_clip", "-1.0", "> 0 or null"]),
     ({"finetune.grad_clip": 0}, ["finetune.grad_clip", "0.0", "> 0 or null"]),
     ({"pretrain.min_lr": -1}, ["pretrain.min_lr", "-1.0", ">= 0"]),
+    ({"finetune.lr": 5e-6}, ["finetune.min_lr: 1e-05 is above finetune.lr (5e-06)", "at most finetune.lr"]),
     ({"finetune.weight_decay": -1}, ["finetune.weight_decay", "-1.0", ">= 0"]),
     ({"pretrain.warmup_epochs": -1}, ["pretrain.warmup_epochs", "-1.0", ">= 0"]),
     # nan / inf pass every range check, so they are refused where a float is read

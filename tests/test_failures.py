@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from pipeline.outputs import PARTIAL, staged_outputs
 from pipeline.train.context import (STAGING_PREFIX, STAGING_SUFFIX, STATE_FILE, latest_checkpoint, list_checkpoints,
                                     prune_checkpoints)
+from tests.conftest import clean_env
 from tests.repo_copy import pretrain_runs, run, set_params, sharded_short_run
 
 
@@ -131,6 +133,39 @@ def test_unwritable_output_fails_before_the_work(repo, tmp_path):
     assert "Ray Train" not in proc.stdout and time.monotonic() - start < 60
     assert (repo / "plots/pretrain_history.csv").read_text() == "old\n"
     assert not list(repo.rglob(f"{PARTIAL}*"))
+
+
+@pytest.mark.slow
+def test_no_test_images_stops_evaluate_and_export_with_the_fix(repo):
+    """Shards with an empty test split (the shard stage warns of it) stop evaluate and export before
+    their work, with one line saying why the split is empty and what gives it images."""
+    from pipeline.model import build_vit, save_model
+
+    # export reads the model first (a missing one is the first thing to say): untrained, it is never used
+    save_model(build_vit("nano", patch_size=4, image_size=32, num_classes=10, depth=1), repo / "models/finetune",
+               {"image_size": 32, "normalize": {"mean": [0.5] * 3, "std": [0.5] * 3}})
+    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    raw["data"]["finetune"]["test_fraction"] = 0.0
+    (repo / "params.no-test.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = clean_env(VIT_PARAMS="params.no-test.yaml")
+    try:
+        shard = subprocess.run([sys.executable, "-m", "stages.shard", "finetune"], cwd=repo, env=env,
+                               capture_output=True, text=True, timeout=300)
+        assert shard.returncode == 0, shard.stderr[-2000:]
+        assert "the test split is empty (test_fraction is 0.0)" in shard.stdout + shard.stderr
+        for stage in ("evaluate", "export"):
+            proc = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=env, capture_output=True,
+                                  text=True, timeout=120)
+            assert proc.returncode == 1, proc.stderr[-2000:]
+            assert proc.stderr.strip().splitlines() == [
+                "error: ValueError: data/shards/finetune holds no test images (test_fraction is 0.0): the evaluate "
+                "and export stages have no test images; give the source a test/ folder or set "
+                "data.finetune.test_fraction above 0, then run the shard stage again (dvc repro, or python -m "
+                "stages.shard finetune)"], stage
+    finally:
+        for out in ("data/shards/finetune", "models/finetune"):
+            shutil.rmtree(repo / out, ignore_errors=True)
+        (repo / "params.no-test.yaml").unlink()
 
 
 @pytest.mark.slow

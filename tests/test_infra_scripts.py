@@ -70,14 +70,25 @@ def test_submit_rejects_a_relative_workspace_before_submitting(stub_ray):
 
 def test_submit_passes_an_absolute_workspace_with_spaces(stub_ray, tmp_path):
     ws = str(tmp_path / "my workspace")
-    proc = subprocess.run(["bash", "infra/submit.sh", "--submission-id", "vit-test"], cwd=ROOT,
+    proc = subprocess.run(["bash", "infra/submit.sh", "--submission-id", "vit-test", "--no-wait"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env=stub_ray.env(VIT_WORKSPACE=ws))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     args = stub_ray.log.read_text().splitlines()
     assert args[:2] == ["job", "submit"] and args[args.index("--submission-id") + 1] == "vit-test"
+    assert args.count("--submission-id") == 1
     runtime_env = json.loads(args[args.index("--runtime-env-json") + 1])
     assert runtime_env["env_vars"]["VIT_WORKSPACE"] == ws
     assert args[args.index("--") + 1:] == ["bash", "infra/job.sh", "pretrain", "finetune", "evaluate", "export"]
+
+
+def test_submit_names_the_job_it_will_ask_about(stub_ray, tmp_path):
+    """Without --submission-id, submit.sh names the job itself: it asks the job API how that job ended
+    (`ray job submit` exits 0 for a stopped job; tests/test_cluster.py stops a real one)."""
+    proc = subprocess.run(["bash", "infra/submit.sh", "--no-wait"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=stub_ray.env(VIT_WORKSPACE=str(tmp_path / "ws")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = stub_ray.log.read_text().splitlines()
+    assert re.fullmatch(r"vit-\d{8}-\d{6}-\d+", args[args.index("--submission-id") + 1]), args
 
 
 # ------------------------------------------------------------------------------------------ ray-head.sh

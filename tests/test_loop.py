@@ -564,6 +564,23 @@ def test_one_val_batch_runs_before_the_first_step(digits_dir, tmp_path):
     assert not log.exists() or log.read_text() == ""
 
 
+def test_checkpoint_every_steps_holds_at_epoch_ends(digits_dir, tmp_path):
+    """A step checkpoint due at an epoch's last step is the epoch's own checkpoint, also in an epoch that
+    ``checkpoint_every_epochs`` skips (it was dropped there: a failure replayed twice the steps)."""
+    from pipeline.train.checkpoint import load_state
+    from pipeline.train.context import LocalContext, list_checkpoints
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import run_loop
+
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), epochs=4, checkpoint_every_steps=3,
+                                   checkpoint_every_epochs=2), shard_dir=str(digits_dir), steps_per_epoch=3)
+    run_loop(cfg, LoopRun(init_state=model.state_dict()), LocalContext(str(tmp_path), use_gpu=False, keep=10))
+    states = [load_state(tmp_path / name) for name in list_checkpoints(str(tmp_path))]
+    assert [(s["step"], s["epoch"], s["batch_in_epoch"]) for s in states] == [(3, 1, 0), (6, 2, 0), (9, 3, 0),
+                                                                              (12, 4, 0)]
+
+
 def test_a_launch_resumed_mid_epoch_keeps_the_time_before_its_checkpoint(digits_dir, tmp_path):
     """``wall_time_s`` (and with it the thresholds' times and a budget's spent time) counts the steps
     trained before a mid-epoch checkpoint: resumed there, the run reports the time of the whole run."""
@@ -627,6 +644,24 @@ def test_a_budget_planned_after_a_resume_leaves_out_the_launch_costs(digits_dir,
     # with the resumed launch's 4 s start-up in its pace, ~2 s more per epoch than the whole run's (a loaded
     # machine slows both alike)
     assert resumed < whole + 1.5, (whole, resumed)
+
+
+def test_layer_decay_reaches_a_ddp_wrapped_model(tmp_path):
+    """Ray Train wraps the model in DDP with two or more ranks: its parameters are named
+    ``module.blocks.N.…`` and it has no ``blocks``, which put every parameter in one group at the
+    head's rate (layer decay silently off)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    plain = Stepper(_model(), _cfg(_model().config.to_dict(), layer_decay=0.5), torch.device("cpu"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = Stepper(DistributedDataParallel(_model()), _cfg(_model().config.to_dict(), layer_decay=0.5),
+                          torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    rates = [sorted(g["lr"] for g in s.optimizer.param_groups) for s in (plain, wrapped)]
+    assert rates[0] == rates[1] and len(set(rates[1])) == 4  # embeddings, 2 blocks, head
 
 
 def test_the_logged_lr_is_the_schedules_base_rate_with_layer_decay():

@@ -332,6 +332,14 @@ def test_local_runner_and_one_ray_worker_agree_and_resume_each_other(tmp_path_fa
         history = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "train_loss_step")}
         assert set(history) == set(range(1, STEPS_PER_EPOCH + 1))
         first_loss[first] = history[1]
+        # the finished run launched again by the other runner: nothing to train, the same model saved (Ray's
+        # result holds no checkpoint of a run the local runner finished, which read as a diverged run)
+        set_params(repo, **{"ray.backend": first})
+        proc = run(["python", "-m", "stages.pretrain"], repo)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        finished = f"run already finished, nothing to train: epoch 1, batch 0, step {STEPS_PER_EPOCH}"
+        assert finished in proc.stdout, proc.stdout[-2000:]
+        assert final_state(repo)[1]["step"] == STEPS_PER_EPOCH
     assert first_loss["ray"] == pytest.approx(first_loss["local"], rel=1e-6)
 
 

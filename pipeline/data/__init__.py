@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"shard_dataset": "shard", "read_dataset_info": "loader", "check_shard_files": "loader",
-            "make_train_loader": "loader", "make_eval_loader": "loader", "SOURCES": "sources",
-            "AUGMENT_DEFAULTS": "transforms"}
+            "require_split": "loader", "make_train_loader": "loader", "make_eval_loader": "loader",
+            "SOURCES": "sources", "AUGMENT_DEFAULTS": "transforms"}
 __all__ = list(_EXPORTS)
 
 

@@ -31,6 +31,7 @@ from pipeline.storage import file_sizes, is_url, join as _join
 
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
+from .splits import EMPTY_SPLIT_EFFECT, why_empty
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
 from .tario import IndexedShards, TarFormatError, tarfile_samples
 from .transforms import BatchFinish, SampleTransform
@@ -83,6 +84,17 @@ def check_shard_files(shard_dir, info: dict) -> None:
         if size != shard.get("bytes", size):
             raise TarFormatError(f"{path}: {size:,} bytes, but the shard stage wrote {shard['bytes']:,} ({listing}): "
                                  f"cut short or changed since; {redo}")
+
+
+def require_split(shard_dir, info: dict, split: str) -> None:
+    """A stage that reads ``split`` stops before its work when the shards hold none of it, saying why
+    (the shard stage warned of it) and what gives it some."""
+    if info["counts"][split]:
+        return
+    name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
+    key = f"data.{name}.{split}_fraction" if name in TRAINING_STAGES else f"{split}_fraction"
+    raise ValueError(f"{shard_dir} holds no {split} images ({why_empty(info, split)}): {EMPTY_SPLIT_EFFECT[split]}; "
+                     f"give the source a {split}/ folder or set {key} above 0, then {_reshard(shard_dir)}")
 
 
 def eval_reader_shards(shards: list, rank: int, world_size: int, worker: int, num_workers: int):

@@ -31,7 +31,7 @@ from pipeline.utils import apply_umask
 
 from .codec import decode, encode_ppm
 from .sources import SOURCES, list_source
-from .splits import SPLITS, Record, SourceListing, check_fraction, check_fractions
+from .splits import EMPTY_SPLIT_EFFECT, SPLITS, Record, SourceListing, check_fraction, check_fractions, why_empty
 
 FORMAT_VERSION = 1
 KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}  # kept byte-for-byte; anything else becomes PNG
@@ -256,16 +256,6 @@ def _write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side
             "bad_files": sorted(bad, key=lambda b: (b["path"], b["split"]))}
 
 
-EMPTY_SPLIT_EFFECT = {"val": "training's val_loss / val_top1 (and keep: best) have nothing to measure",
-                      "test": "the evaluate and export stages have no test images"}
-
-
-def _why_empty(info: dict, split: str) -> str:
-    if split == "test" and info["given_splits"] and "test" not in info["given_splits"]:
-        return "the source has no test split; test_fraction applies only to sources without splits of their own"
-    return f"{split}_fraction is {info['params'][f'{split}_fraction']}"
-
-
 def shard_warnings(info: dict, out_dir) -> list[str]:
     """What a finished shard run holds that a user would otherwise miss: skipped images, empty splits,
     classes without train images (the model cannot learn them)."""
@@ -277,7 +267,7 @@ def shard_warnings(info: dict, out_dir) -> list[str]:
                      f"{Path(out_dir) / 'bad_files.json'}")
     for split, effect in EMPTY_SPLIT_EFFECT.items():
         if info["counts"][split] == 0:
-            notes.append(f"the {split} split is empty ({_why_empty(info, split)}): {effect}")
+            notes.append(f"the {split} split is empty ({why_empty(info, split)}): {effect}")
     for i, name in enumerate(info["classes"]):
         if info["class_counts"]["train"][i] == 0:
             elsewhere = ", ".join(f"{s} {info['class_counts'][s][i]}" for s in SPLITS if s != "train")

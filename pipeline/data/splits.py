@@ -86,6 +86,17 @@ def check_fraction(key: str, value: float) -> None:
         raise ValueError(f"{key}: {value!r} must be in [0, 1)")
 
 
+EMPTY_SPLIT_EFFECT = {"val": "training's val_loss / val_top1 (and keep: best) have nothing to measure",
+                      "test": "the evaluate and export stages have no test images"}
+
+
+def why_empty(info: dict, split: str) -> str:
+    """Why ``dataset.json`` (``info``) counts no ``split`` samples."""
+    if split == "test" and info["given_splits"] and "test" not in info["given_splits"]:
+        return "the source has no test split; test_fraction applies only to sources without splits of their own"
+    return f"{split}_fraction is {info['params'][f'{split}_fraction']}"
+
+
 def check_fractions(val_fraction: float, test_fraction: float) -> None:
     """Reject fractions that would leave no training data."""
     check_fraction("val_fraction", val_fraction)

@@ -24,6 +24,7 @@ LOCAL_SUFFIX = "_local"  # checkpoints the local runner wrote (and may prune)
 STATE_FILE = "state.pt"
 STAGING_PREFIX, STAGING_SUFFIX = "." + CHECKPOINT_PREFIX, ".tmp"  # a checkpoint rank 0 is writing, before report()
 NODE_STAGING = "vit-pipeline-staging"  # in the node's temp dir: staging when checkpoints go to object storage
+RAY_RECORD = "checkpoint_manager_snapshot.json"  # Ray Train's list of a run's checkpoints, in the run's folder
 
 
 class TrainContext:
@@ -45,6 +46,12 @@ class TrainContext:
     def resume_dir(self) -> contextlib.AbstractContextManager[Optional[Path]]:
         """The latest checkpoint directory of this run, or None for a fresh start."""
         raise NotImplementedError
+
+
+def newer_on_disk(resume_from: Optional[str], ray_checkpoint: Optional[str]) -> bool:
+    """Whether the run's newest checkpoint on disk is newer than the one Ray recorded (its record lags
+    behind a checkpoint written just before a kill, and misses those the local runner wrote)."""
+    return bool(resume_from) and (ray_checkpoint is None or Path(resume_from).name > Path(ray_checkpoint).name)
 
 
 def _fallback(resume_from: Optional[str]) -> contextlib.AbstractContextManager[Optional[Path]]:
@@ -83,7 +90,7 @@ class RayContext(TrainContext):
         state it recorded last, which lags behind checkpoints written just before a kill."""
         import ray.train
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None or (self.resume_from and Path(self.resume_from).name > Path(checkpoint.path).name):
+        if checkpoint is None or newer_on_disk(self.resume_from, checkpoint.path):
             return _fallback(self.resume_from)
         return checkpoint.as_directory()
 
@@ -98,6 +105,9 @@ class LocalContext(TrainContext):
         self.run_dir, self.keep, self.resume_from = run_dir, keep, resume_from
         self.staging_dir = run_dir
         prepare_staging(run_dir)
+        # Ray's record of a run it began goes stale here, and the prune at the end may delete checkpoints it
+        # names, which makes Ray refuse the folder; without it a Ray launch resumes from the newest on disk
+        (Path(run_dir) / RAY_RECORD).unlink(missing_ok=True)
 
     def prepare_model(self, model):
         return model.to(self.device)

@@ -25,7 +25,8 @@ from pipeline.data import check_shard_files, read_dataset_info
 from pipeline.model import VisionTransformer
 from pipeline.train.budget import plan_epoch, unplanned
 from pipeline.train.checkpoint import load_state
-from pipeline.train.context import latest_checkpoint, node_staging_dir, prune_checkpoints, remove_staging
+from pipeline.train.context import (latest_checkpoint, newer_on_disk, node_staging_dir, prune_checkpoints,
+                                    remove_staging)
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.selection import Selection
 from pipeline.utils import atomic_write_text, csv_text
@@ -219,6 +220,10 @@ def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str,
 
     with ray_cluster(params.ray):
         result = _ray_trainer(spec, run, params, storage_path, storage_fs).fit()
+    # a run that had already finished on disk (by the local runner, or just before Ray recorded its last
+    # checkpoint) reports nothing this launch: its newest checkpoint is the one the ranks resumed from
+    if newer_on_disk(run.resume_from, result.checkpoint and result.checkpoint.path):
+        return load_state(run.resume_from), run.resume_from
     if result.checkpoint is None:
         return None, None
     with result.checkpoint.as_directory() as d:  # a temporary local copy when the storage is remote

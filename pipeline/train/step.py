@@ -26,8 +26,8 @@ class Stepper:
         # CUDA graphs replay into the same output buffers: each step must say where it begins
         self.graphed = cfg.compile and cfg.compile_mode in CUDAGRAPH_MODES and device.type == "cuda"
         self.micro, self.accum = accumulation(cfg.per_worker_batch, cfg.max_worker_batch)
-        self.optimizer, self.scheduler = build_optimizer(
-            model, lr=cfg.lr, weight_decay=cfg.weight_decay, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+        self.optimizer, self.scheduler = build_optimizer(  # the bare model: DDP's names lose "blocks.N."
+            unwrap(model), lr=cfg.lr, weight_decay=cfg.weight_decay, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
             total_steps=cfg.steps_per_epoch * cfg.epochs, layer_decay=cfg.layer_decay)
         self.dtype = amp_dtype(cfg.amp, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)

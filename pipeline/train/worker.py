@@ -193,7 +193,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
                 eta = pace.line(progress.step, _steps(cfg, progress))
                 _print_epoch(cfg, metrics, _epochs(cfg, progress), eta=eta)
                 _log_epoch(logger, metrics, progress.step)
-            if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or last or selection.stopped:
+            if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or last or selection.stopped \
+                    or _step_checkpoint_due(cfg, progress.step):
                 checkpoint(metrics)
             if selection.stopped:
                 if ctx.rank == 0:
@@ -320,6 +321,10 @@ class _Waited:
             self.seconds += time.perf_counter() - start
 
 
+def _step_checkpoint_due(cfg: LoopConfig, step: int) -> bool:
+    return bool(cfg.checkpoint_every_steps) and step % cfg.checkpoint_every_steps == 0
+
+
 def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, progress: Progress,
                  logger, hooks: list[StepHook], checkpoint, pace: _Pace) -> list | None:
     """The rest of the current epoch's steps; returns [loss sum, correct, samples, seconds waited for input,
@@ -342,8 +347,8 @@ def _train_epoch(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, batches, 
         seen += labels.numel()
         progress.step, progress.batch_in_epoch = progress.step + 1, b + 1
         logged = global_loss = _log_step(cfg, ctx, logger, progress.step, step_loss, labels.numel(), stepper)
-        every = cfg.checkpoint_every_steps
-        save = every and progress.step % every == 0 and progress.batch_in_epoch < cfg.steps_per_epoch
+        # one due at the epoch's last step is the epoch's own, with its metrics
+        save = _step_checkpoint_due(cfg, progress.step) and progress.batch_in_epoch < cfg.steps_per_epoch
         if save:  # the epoch's sums so far go into the checkpoint
             step_sum, *progress.epoch_sums = _all_reduce([step_loss, loss_sum, correct, before[2] + seen], ctx.device)
             global_loss = step_sum if global_loss is None else global_loss
