@@ -166,3 +166,24 @@ def test_directory_named_like_an_image_is_not_an_image(export_dir, images, capsy
     assert predict.main([str(images), "--model", str(export_dir), "--format", "torchscript"]) == 0
     captured = capsys.readouterr()
     assert captured.err == "" and len(captured.out.splitlines()) == 4, captured
+
+
+def test_deep_images_are_the_pixels_training_decodes(export_dir, tmp_path, capsys):
+    """A 16-bit grayscale PNG is read by its high byte, as the loader decodes it for training and
+    evaluation (PIL's RGB conversion clipped every value above 255 to white); float pixels have no
+    8-bit scale: a failed input, as the shard stage skips them."""
+    from pipeline.data.codec import decode
+
+    deep = tmp_path / "deep.png"
+    Image.fromarray(np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000).save(deep)  # 0..63000, mode I;16
+    assert Image.open(deep).mode == "I;16"
+    predictor = predict.Predictor(export_dir, "torchscript")
+    trained_on = predictor.transform(decode("png", deep.read_bytes()))
+    assert torch.equal(predictor.preprocess(deep), trained_on)
+    floats = tmp_path / "float.tif"
+    Image.fromarray(np.ones((8, 8), dtype=np.float32)).save(floats)
+    rc = predict.main([str(deep), str(floats), "--model", str(export_dir), "--format", "torchscript"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out.startswith(f"{deep}\t"), captured
+    assert captured.err.splitlines()[0] == (f"error: {floats}: not a readable image (BadImage: 32-bit float pixels "
+                                            f"(PIL mode F) have no 8-bit scale; store the image as 8- or 16-bit)")

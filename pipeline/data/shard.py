@@ -30,6 +30,7 @@ from pipeline.config import ENCODINGS, DataConfig
 from pipeline.utils import apply_umask
 
 from .codec import decode, encode_ppm
+from .pixels import BadImage, eight_bit
 from .sources import SOURCES, list_source
 from .splits import EMPTY_SPLIT_EFFECT, SPLITS, Record, SourceListing, check_fraction, check_fractions, why_empty
 
@@ -39,10 +40,6 @@ MANIFEST_SCHEMA = pa.schema([("key", pa.string()), ("split", pa.string()), ("sha
                              ("label", pa.int64()), ("source_path", pa.string()), ("bytes", pa.int64())])
 TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # OSError numbers reported as "no space left"
-
-
-class BadImage(Exception):
-    """An input image that cannot be decoded; skipped and reported, not fatal by itself."""
 
 
 _OBJECT_REPR = re.compile(r"<[^<>]*? at 0x[0-9a-fA-F]+>")
@@ -82,21 +79,6 @@ def stats_from_histogram(hist: np.ndarray) -> dict:
     mean = (hist * values).sum(1) / n
     std = np.sqrt(np.maximum((hist * values**2).sum(1) / n - mean**2, 0.0))
     return {"split": STATS_SPLIT, "mean": [round(float(v), 6) for v in mean], "std": [round(float(v), 6) for v in std]}
-
-
-DEEP_GRAY = ("I", "I;16", "I;16B", "I;16L", "I;16N")  # PIL's 16- and 32-bit integer grayscale modes
-
-
-def eight_bit(img: Image.Image) -> Image.Image:
-    """Deep grayscale (a 16-bit PNG, PGM or TIFF) as 8-bit by its high byte: what the loader decodes
-    from a 16-bit PNG (:func:`.codec.decode`), so the pixel stats are those of the pixels trained on.
-    PIL's own conversion clips at 255 instead of scaling. Float pixels have no range to scale by."""
-    if img.mode == "F":
-        raise BadImage("32-bit float pixels (PIL mode F) have no 8-bit scale; store the image as 8- or 16-bit")
-    if img.mode not in DEEP_GRAY:
-        return img
-    high = np.asarray(img).astype(np.int64) >> 8  # 32-bit values beyond 16 bits saturate
-    return Image.fromarray(np.clip(high, 0, 255).astype(np.uint8), "L")
 
 
 def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding: str = "source"):

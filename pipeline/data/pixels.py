@@ -1,0 +1,24 @@
+"""Deep images as 8-bit pixels: the one rule the shard stage and ``vit-pipeline predict`` share, so a
+model serves on the pixels it was trained on (kept light: predict imports it)."""
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+DEEP_GRAY = ("I", "I;16", "I;16B", "I;16L", "I;16N")  # PIL's 16- and 32-bit integer grayscale modes
+
+
+class BadImage(ValueError):
+    """An input image that cannot be decoded; the shard stage skips and reports it."""
+
+
+def eight_bit(img: Image.Image) -> Image.Image:
+    """Deep grayscale (a 16-bit PNG, PGM or TIFF) as 8-bit by its high byte: what the loader decodes
+    from a 16-bit PNG (:func:`.codec.decode`), so the pixel stats are those of the pixels trained on.
+    PIL's own conversion clips at 255 instead of scaling. Float pixels have no range to scale by."""
+    if img.mode == "F":
+        raise BadImage("32-bit float pixels (PIL mode F) have no 8-bit scale; store the image as 8- or 16-bit")
+    if img.mode not in DEEP_GRAY:
+        return img
+    high = np.asarray(img).astype(np.int64) >> 8  # 32-bit values beyond 16 bits saturate
+    return Image.fromarray(np.clip(high, 0, 255).astype(np.uint8), "L")
