@@ -55,6 +55,11 @@ def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
         return _check_other_store(uri)
     try:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).read()
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):  # an auth proxy in front of the server: MLflow's client signs in
+            return
+        raise TrackingUnreachable(f"MLFLOW_TRACKING_URI={uri} answers HTTP {exc.code} ({exc.reason}) at /health: "
+                                  f"not an MLflow tracking server, or one that is down behind its proxy") from None
     except (urllib.error.URLError, OSError) as exc:
         raise TrackingUnreachable(
             f"MLFLOW_TRACKING_URI={uri} is not reachable ({exc}). Start a local server with "

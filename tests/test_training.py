@@ -156,6 +156,38 @@ def test_tracking_uri_mlflow_refuses_is_named(tmp_path, monkeypatch):
     check_tracking_uri(str(tmp_path / "mlruns"))
 
 
+@pytest.mark.parametrize("status, passes", [(401, True), (403, True), (502, False)])
+def test_tracking_server_behind_an_auth_proxy_is_reachable(status, passes):
+    """A proxy that asks for credentials answers: the server is there, and MLflow's client sends them
+    (MLFLOW_TRACKING_TOKEN, username / password); it stopped every stage as "not reachable". A 502 (the
+    server down behind its proxy) still stops it, naming the status."""
+    import http.server
+    import threading
+
+    from pipeline.tracking import TrackingUnreachable, check_tracking_uri
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        if passes:
+            check_tracking_uri(uri)
+        else:
+            with pytest.raises(TrackingUnreachable, match=rf"^MLFLOW_TRACKING_URI={uri} answers HTTP 502 \(Bad Gateway\)"):
+                check_tracking_uri(uri)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_damaged_sqlite_store_is_named(tmp_path):
     """A sqlite tracking store that is not a readable database fails the check with its path; a healthy
     one, a missing one (MLflow creates it) and one locked by a writer pass."""
