@@ -24,6 +24,7 @@
 #                           cluster; unset: sqlite in the workspace, shared paths only)
 #   VIT_SHARDS_URL, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, AWS_REGION   passed on when set
 #   VIT_JOB_ENV             extra NAME=VALUE pairs (space separated) for the job's environment
+# The job also gets VIT_GIT_COMMIT / VIT_GIT_DIRTY, this checkout's commit and state, for its runs' tags.
 # AWS credentials are NOT put in the job's runtime env (the dashboard shows it): give the nodes an
 # instance role / IRSA, or their own ~/.aws, or VIT_JOB_ENV at your own risk.
 set -euo pipefail
@@ -62,9 +63,12 @@ fi
 
 runtime_env=$(VIT_PARAMS=$params python - <<'EOF'
 import json, os
+from pipeline.tracking import GIT_ENV, git_info
 names = ["VIT_WORKSPACE", "VIT_PARAMS", "VIT_PARAMS_OVERLAY", "VIT_SHARDS_URL", "MLFLOW_TRACKING_URI",
          "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION"]
 env = {k: os.environ[k] for k in names if os.environ.get(k)}
+# the upload has no .git: the runs' git.commit / git.dirty tags (and pipeline run) come from this checkout
+env.update({GIT_ENV[k]: v for k, v in git_info().items() if v != "unknown"})
 for pair in os.environ.get("VIT_JOB_ENV", "").split():
     k, _, v = pair.partition("=")
     env[k] = v

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 from pipeline import environment, pipeline_run
 from pipeline.config import ConfigError, Params, flatten, params_file
 from pipeline.storage import file_hash
-from pipeline.utils import error_summary
+from pipeline.utils import METRICS, PLOTS, error_summary
 
 
 class TrackingUnreachable(ConfigError):
@@ -97,7 +97,14 @@ def _check_sqlite(path: Path) -> None:
             f"starts empty; `sqlite3 {path.name} .recover` can save its runs), or set MLFLOW_TRACKING_URI")
 
 
+GIT_ENV = {"git.commit": "VIT_GIT_COMMIT", "git.dirty": "VIT_GIT_DIRTY"}  # a cluster job's: infra/submit.sh sets them
+# what the pipeline itself rewrites in git (DVC's lock, the metrics and plots it keeps in git): not "dirty"
+OWN_OUTPUTS = tuple(f":(top,exclude){p}" for p in ("dvc.lock", METRICS, PLOTS))
+
+
 def git_info(cwd: str | os.PathLike = ".") -> dict[str, str]:
+    """The commit and whether code or params differ from it (the stages' own outputs aside). Without a
+    git checkout (a cluster job's uploaded code has no .git) the submitter's, from ``GIT_ENV``."""
     def git(*args: str) -> str:
         try:
             out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
@@ -105,8 +112,11 @@ def git_info(cwd: str | os.PathLike = ".") -> dict[str, str]:
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
-    commit = git("rev-parse", "HEAD") or "unknown"
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit != "unknown" else False
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return {"git.commit": os.environ.get(GIT_ENV["git.commit"]) or "unknown",
+                "git.dirty": os.environ.get(GIT_ENV["git.dirty"]) or "false"}
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ":/", *OWN_OUTPUTS))
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
 
 

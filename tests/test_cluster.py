@@ -124,6 +124,9 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
         (repo / leak).parent.mkdir(parents=True)
         (repo / leak).write_text("must not be uploaded")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)  # .git must not be uploaded either
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code"], cwd=repo, check=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
     ws = tmp_path / "workspace"  # the "shared" path: same absolute path for submitter and cluster
     env = env_factory(**{k: v for k, v in ray_head["env"].items() if k.startswith("RAY_AUTH")},
                     RAY_API_SERVER_ADDRESS=ray_head["api"], VIT_WORKSPACE=str(ws), VIT_PARAMS_OVERLAY=params,
@@ -177,6 +180,8 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     assert len(runs) == 1
     run = runs[0]
     assert run.info.run_id == meta["mlflow_run_id"] and run.info.status == "FINISHED"
+    # the submitter's commit, though the job's code came without .git (submit.sh passes it)
+    assert (run.data.tags["git.commit"], run.data.tags["git.dirty"]) == (commit, "false")
     assert run.data.params["world_size"] == "2" and run.data.params["model.depth"] == "2"
     assert 0.0 < run.data.metrics["val_top1"] <= 1.0
     summary = json.loads((ws / "metrics/pretrain.json").read_text())

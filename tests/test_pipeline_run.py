@@ -336,3 +336,37 @@ def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir):
     assert m["top1_at_24px"] != m["top1_at_24px"] and m["export.passed"] != m["export.passed"]  # NaN
     assert m["export.onnx.max_abs_diff"] != m["export.onnx.max_abs_diff"] and m["finetune.val_top1"] == 0.75
     assert t["export.reused"] == "false" and t["export.status"] == "FAILED" and "registered_model" not in t
+
+
+def test_git_dirty_is_about_code_and_params_not_the_pipelines_own_outputs(workdir, monkeypatch):
+    """``git.dirty`` stays false while the stages rewrite what they keep in git (metrics/, plots/,
+    dvc.lock), and turns true for an uncommitted params change; without a checkout (a cluster job's
+    upload) the tags are the ones infra/submit.sh passes."""
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=workdir, check=True,
+                       capture_output=True)
+
+    (workdir / "dvc.lock").write_text("schema: '2.0'\n")
+    (workdir / "metrics/pretrain.json").write_text("{}")
+    git("init", "-q")
+    git("add", "params.yaml", "dvc.lock", "metrics")
+    git("commit", "-qm", "pipeline")
+    params = load_params("params.yaml")
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    first = _stage("pretrain", params, {"val_top1": 0.5})  # rewrites metrics/pretrain.json
+    (workdir / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")  # as DVC does after a stage
+    second = _stage("finetune", params, {"val_top1": 0.6})
+    with open(workdir / "params.yaml", "a") as f:
+        f.write("# an edit\n")
+    third = _stage("evaluate", params, {"top1": 0.6})
+    assert [client.get_run(r).data.tags["git.dirty"] for r in (first, second, third)] == ["false", "false", "true"]
+
+    shutil.rmtree(workdir / ".git")
+    monkeypatch.setenv("VIT_GIT_COMMIT", "0123abc")
+    monkeypatch.setenv("VIT_GIT_DIRTY", "true")
+    tags = client.get_run(_stage("export", params, {"passed": True})).data.tags
+    assert (tags["git.commit"], tags["git.dirty"]) == ("0123abc", "true")
