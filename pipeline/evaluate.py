@@ -14,6 +14,7 @@ from pipeline import storage
 from pipeline.cluster import worker_resources
 from pipeline.config import TRAINING_STAGES, Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info, require_split
+from pipeline.environment import device_name
 from pipeline.inference import Predictions, predict_rank, predict_split, scored_metrics, views_note
 from pipeline.metrics import attention_rollout, confusion_matrix, macro_scores, per_class, predicted_class
 from pipeline.model import VisionTransformer, attention_maps, load_model
@@ -26,16 +27,17 @@ from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_wri
 
 
 def distributed_predict(model: VisionTransformer, shard_dir, split: str, params: Params, *, image_size: int,
-                        normalize: dict) -> Predictions:
+                        normalize: dict) -> tuple[Predictions, str]:
     """:func:`predict_split` (``evaluate.tta``'s views) of ``split`` over
     ``ray.num_workers`` Ray tasks (the eval loader's exact-once split), each on its GPU with
-    ``ray.use_gpu``; in this process with ``ray.backend: local``."""
+    ``ray.use_gpu``; in this process with ``ray.backend: local``. Also what computed them: the
+    device's name (the tasks' names, joined, should they differ)."""
     kwargs = {"image_size": image_size, "batch_size": params.evaluate.batch_size, "normalize": normalize,
               "tta": params.evaluate.tta}
     if params.ray.backend == "local":
         device = local_device(params.ray.use_gpu)  # a copy there: the caller's model stays on the CPU
         return predict_split(model if device.type == "cpu" else copy.deepcopy(model).to(device), shard_dir, split,
-                             **kwargs)
+                             **kwargs), device_name(device)
     import ray
     from pipeline.cluster import ray_cluster
 
@@ -46,7 +48,7 @@ def distributed_predict(model: VisionTransformer, shard_dir, split: str, params:
         task = ray.remote(predict_rank).options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0))
         parts = ray.get([task.remote(state, model.config.to_dict(), storage.worker_path(shard_dir), split, kwargs,
                                      rank, world) for rank in range(world)])
-    return Predictions.cat(parts)
+    return Predictions.cat([p for p, _ in parts]), ", ".join(sorted({device for _, device in parts}))
 
 
 def check_exactly_once(labels: torch.Tensor, info: dict, split: str) -> None:
@@ -66,7 +68,7 @@ def resolution_sweep(model: VisionTransformer, shard_dir, params: Params, normal
     for res in params.evaluate.resolutions:
         m = copy.deepcopy(model)
         m.set_input_size(image_size=res, mode=interp.mode, antialias=interp.antialias)
-        scored = distributed_predict(m, shard_dir, "test", params, image_size=res, normalize=normalize)
+        scored, _ = distributed_predict(m, shard_dir, "test", params, image_size=res, normalize=normalize)
         out[str(res)] = (predicted_class(scored.logits) == scored.labels).float().mean().item()
     return out
 
@@ -125,7 +127,8 @@ def evaluate(params: Params) -> dict:
                                                         "patch_size": model.config.patch_size[0],
                                                         "world_size": params.ray.world_size},
                       tags=model_run_tag(meta)):
-        scored = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
+        scored, device = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
+        mlflow.set_tag("env.device", device)  # the test numbers' device, not this process's CPU (stage_run's)
         logits, labels = scored.logits, scored.labels
         check_exactly_once(labels, info, "test")
         metrics = scored_metrics(scored, params.evaluate.tta)

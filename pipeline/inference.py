@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pipeline.data import make_eval_loader
 from pipeline.data.transforms import resolve_augment
+from pipeline.environment import device_name
 from pipeline.metrics import classification_metrics, predicted_class
 from pipeline.model import ViTConfig, VisionTransformer
 
@@ -105,8 +106,12 @@ def task_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def predict_rank(state: dict, config: dict, shard_dir: str, split: str, kwargs: dict, rank: int, world: int):
-    """:func:`predict_split` for ``rank`` of ``world``, the model rebuilt from its config and weights."""
+def predict_rank(state: dict, config: dict, shard_dir: str, split: str, kwargs: dict, rank: int,
+                 world: int) -> tuple[Predictions, str]:
+    """:func:`predict_split` for ``rank`` of ``world``, the model rebuilt from its config and weights, and
+    the name of the device it ran on (the task's node may not be the stage's)."""
     model = VisionTransformer(ViTConfig.from_dict(config))
     model.load_state_dict(state)
-    return predict_split(model.to(task_device()), shard_dir, split, rank=rank, world_size=world, **kwargs)
+    device = task_device()
+    return (predict_split(model.to(device), shard_dir, split, rank=rank, world_size=world, **kwargs),
+            device_name(device))

@@ -120,6 +120,8 @@ def test_evaluate_agrees_with_its_csv_files(digits_dir, tmp_path, monkeypatch):
     model.reset_classifier(len(classes), init="zeros")
     save_model(model, tmp_path / "models/finetune", {"image_size": 16, "classes": classes,
                                                      "normalize": {"mean": [0.5] * 3, "std": [0.5] * 3}})
+    # the run says where its numbers were computed (a GPU's name with use_gpu), not the stage process's CPU
+    monkeypatch.setattr("pipeline.evaluate.device_name", lambda device: f"the eval device ({device.type})")
     metrics = evaluate(load_params("params.yaml", {"ray.backend": "local", "evaluate.resolutions": [16]}))
 
     with open("plots/confusion.csv", newline="") as f:
@@ -132,6 +134,12 @@ def test_evaluate_agrees_with_its_csv_files(digits_dir, tmp_path, monkeypatch):
     assert [r["class"] for r in rows] == classes and sum(int(r["support"]) for r in rows) == metrics["num_samples"]
     assert rows[-1] == {"class": classes[-1], "precision": "nan", "recall": "nan", "f1": "nan", "support": "0"}
     assert metrics["macro_recall"] == pytest.approx(0.1)  # class 0's recall 1, nine others 0: over 10, not 11
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("vit-pipeline").experiment_id], "tags.stage = 'evaluate'")
+    assert run.data.tags["env.device"] == "the eval device (cpu)"
+    assert client.get_run(run.data.tags["mlflow.parentRunId"]).data.tags["evaluate.device"] == "the eval device (cpu)"
 
 
 def test_curves_without_a_history_draw_no_legend_and_warn_nothing(tmp_path):
