@@ -108,7 +108,15 @@ def cluster_address(ray_cfg: RayConfig) -> str | None:
 def check_local_capacity(ray_cfg: RayConfig) -> None:
     """On one machine (no cluster to join), the ranks must fit it: one process per rank, the GPUs
     asked for present. Checked before any work; Ray itself would wait forever."""
-    if ray_cfg.backend == "local" or cluster_address(ray_cfg):
+    if ray_cfg.backend == "local":
+        if ray_cfg.use_gpu:
+            from pipeline.train.context import local_device
+            try:
+                local_device(True)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        return
+    if cluster_address(ray_cfg):
         return
     cpus = os.cpu_count() or 1
     if ray_cfg.num_workers > cpus:

@@ -342,7 +342,7 @@ def validate(p: Params) -> Params:
     _check_model(p)
     _positive("ray.num_workers", p.ray.num_workers)
     for stage in TRAINING_STAGES:
-        _check_training(stage, getattr(p, stage), p.ray.num_workers)
+        _check_training(stage, getattr(p, stage), p.ray.world_size)
         _check_cuda_graph(stage, getattr(p, stage), p.ray.world_size)
     _check_export_and_ray(p)
     return p
@@ -439,7 +439,7 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
         raise ConfigError(f"{stage}.mix_prob: {t.mix_prob!r} must be in (0, 1] (the share of batches mixed)")
     if t.global_batch_size % num_workers:
         raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
-                          f"ray.num_workers={num_workers} (each worker gets an equal share)")
+                          f"ray.num_workers={num_workers} (each worker gets an equal share)")  # 1 rank with backend local
 
 
 def _check_time_budget(stage: str, t: TrainConfig) -> None:
@@ -482,6 +482,11 @@ def _check_export_and_ray(p: Params) -> None:
     _name("mlflow.experiment", p.mlflow.experiment)
     _positive("ray.cpus_per_worker", p.ray.cpus_per_worker)
     _choice("ray.backend", p.ray.backend, BACKENDS)
+    from pipeline.storage import is_url
+
+    if p.ray.backend == "local" and p.ray.storage_path and is_url(p.ray.storage_path):
+        raise ConfigError(f"ray.storage_path: {p.ray.storage_path!r} with ray.backend: local: the local runner writes "
+                          f"checkpoints to a local directory (null: .ray_results); object storage needs backend: ray")
     if p.ray.loader_workers is not None and p.ray.loader_workers < 0:
         raise ConfigError(f"ray.loader_workers: {p.ray.loader_workers!r} must be >= 0 (0: load in the training "
                           f"process) or null (ray.cpus_per_worker - 1)")
@@ -491,6 +496,10 @@ def _check_export_and_ray(p: Params) -> None:
     _choice("evaluate.tta", p.evaluate.tta, tuple(TTA_VIEWS))
     _positive("ray.checkpoints_to_keep", p.ray.checkpoints_to_keep)
     _positive("export.num_images", p.export.num_images)
+    _non_negative("export.max_abs_diff", p.export.max_abs_diff)  # else no export ever passes its check
+    if not 0.0 <= p.export.min_top1_agreement <= 1.0:
+        raise ConfigError(f"export.min_top1_agreement: {p.export.min_top1_agreement!r} must be in [0, 1] "
+                          f"(the share of images whose top-1 class the format keeps)")
     for k in ("gpus_per_worker", "max_failures", "resource_wait_s"):
         _non_negative(f"ray.{k}", getattr(p.ray, k))
 

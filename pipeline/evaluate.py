@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pipeline import storage
-from pipeline.cluster import worker_resources
+from pipeline.cluster import check_local_capacity, worker_resources
 from pipeline.config import TRAINING_STAGES, Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info, require_split
 from pipeline.environment import device_name
@@ -117,6 +117,7 @@ OUTPUTS = [PLOTS / n for n in ("confusion.csv", "per_class.csv", "confusion.png"
 
 def evaluate(params: Params) -> dict:
     shard_dir = storage.shard_dir("finetune")
+    check_local_capacity(params.ray)
     info = read_dataset_info(shard_dir)
     require_split(shard_dir, info, "test")
     check_shard_files(shard_dir, info)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 
@@ -56,13 +57,22 @@ def load_recipe_params(params_path, recipe: str | None, sets: list[str] = (),
 
 
 def override_value(value: object) -> str:
-    """A value in the override grammar `dvc exp run -S` parses (Hydra's): JSON, except that dict keys
-    are bare (``{auto_augment: "randaugment"}``; a quoted key is a syntax error there)."""
+    """A value in the override grammar `dvc exp run -S` parses (Hydra's): JSON numbers, booleans and
+    null, bare dict keys (``{auto_augment: 'randaugment'}``; a quoted key is a syntax error there) and
+    :func:`hydra_quoted` strings."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {override_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(override_value(v) for v in value) + "]"
-    return json.dumps(value)
+    return hydra_quoted(value) if isinstance(value, str) else json.dumps(value)
+
+
+def hydra_quoted(text: str) -> str:
+    """``text`` in Hydra's single quotes, whose grammar escapes only the quote and the backslashes before
+    one or at the end: JSON's escapes (``\\u00e9`` for é, a doubled backslash) would reach params.yaml as
+    written."""
+    text = re.sub(r"(\\*)'", lambda m: m[1] * 2 + "\\'", text)
+    return "'" + re.sub(r"(\\+)$", lambda m: m[1] * 2, text) + "'"
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m pipeline.recipes") -> int:

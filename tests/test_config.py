@@ -82,6 +82,10 @@ def test_params_yaml_and_code_defaults_agree():
     ({"pretrain.grad_clip": -1}, ["pretrain.grad_clip", "-1.0", "> 0 or null"]),
     ({"finetune.grad_clip": 0}, ["finetune.grad_clip", "0.0", "> 0 or null"]),
     ({"pretrain.min_lr": -1}, ["pretrain.min_lr", "-1.0", ">= 0"]),
+    ({"ray.backend": "local", "ray.storage_path": "s3://bucket/runs"},
+     ["ray.storage_path: 's3://bucket/runs' with ray.backend: local", "object storage needs backend: ray"]),
+    ({"export.max_abs_diff": -1}, ["export.max_abs_diff", "-1", ">= 0"]),
+    ({"export.min_top1_agreement": 1.5}, ["export.min_top1_agreement: 1.5 must be in [0, 1]"]),
     ({"finetune.lr": 5e-6}, ["finetune.min_lr: 1e-05 is above finetune.lr (5e-06)", "at most finetune.lr"]),
     ({"finetune.weight_decay": -1}, ["finetune.weight_decay", "-1.0", ">= 0"]),
     ({"pretrain.warmup_epochs": -1}, ["pretrain.warmup_epochs", "-1.0", ">= 0"]),
@@ -129,6 +133,18 @@ def test_bad_values_name_key_value_and_valid(override, needles):
         load_params(ROOT / "params.yaml", overrides=override)
     for n in needles:
         assert n in str(err.value), (n, str(err.value))
+
+
+def test_local_backend_is_one_rank_whatever_num_workers_says():
+    """``ray.backend: local`` trains one rank: a global batch ``ray.num_workers`` does not divide is fine
+    (it was refused), and the capacity check asks it for a CUDA device, not for CPUs per worker."""
+    from pipeline.cluster import check_local_capacity
+
+    p = load_params(ROOT / "params.yaml", overrides={"ray.backend": "local", "ray.num_workers": 3})
+    assert p.ray.world_size == 1 and p.pretrain.global_batch_size % 3
+    check_local_capacity(p.ray)
+    with pytest.raises(ConfigError, match="pretrain.global_batch_size: 64 is not divisible by ray.num_workers=3"):
+        load_params(ROOT / "params.yaml", overrides={"ray.num_workers": 3})
 
 
 def test_augment_dataset_stats_accepted():
@@ -277,7 +293,7 @@ def test_cifar10_recipe_expands_to_valid_overrides(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline.recipes", str(ROOT / "configs/cifar10.yaml"),
                            "--set", "data.pretrain.root=/x y/cifar"], cwd=ROOT, capture_output=True, text=True)
     args = shlex.split(proc.stdout)  # what xargs hands to `dvc exp run`
-    assert proc.returncode == 0 and args[0] == "-S" and "data.pretrain.root=\"/x y/cifar\"" in args
+    assert proc.returncode == 0 and args[0] == "-S" and "data.pretrain.root='/x y/cifar'" in args
     assert main([str(ROOT / "configs/cifar10.yaml"), "--set", "model.num_heads=5"]) == 2
 
 
@@ -291,14 +307,19 @@ def test_recipe_overrides_are_what_dvc_exp_run_applies(tmp_path):
     from pipeline.recipes import recipe_overrides
 
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    # strings JSON would escape (é as \u00e9, a backslash doubled), a quote, a backslash before it and at the end
+    sets = ["data.pretrain.root=/x y/café", "data.finetune.root=C:\\data\\it's\\'q\\",
+            "data.finetune.class_names=[gato, cão, 'say \"hi\"']"]
     proc = subprocess.run([sys.executable, "-m", "pipeline.recipes", str(ROOT / "configs/cifar10.yaml"),
-                           "--set", "data.pretrain.root=/x y/cifar"], cwd=ROOT, capture_output=True, text=True)
+                           *(a for s in sets for a in ("--set", s))], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     args = shlex.split(proc.stdout)
     assert args[::2] == ["-S"] * (len(args) // 2) and "++model.num_heads=12" in args
     apply_overrides(tmp_path / "params.yaml", args[1::2])
     p = load_params(tmp_path / "params.yaml")
-    expected = recipe_overrides(str(ROOT / "configs/cifar10.yaml"), ["data.pretrain.root=/x y/cifar"])
+    expected = recipe_overrides(str(ROOT / "configs/cifar10.yaml"), sets)
+    assert expected["data.finetune.root"] == "C:\\data\\it's\\'q\\" and p.data.pretrain.root == "/x y/café"
+    assert p.data.finetune.class_names == ["gato", "cão", 'say "hi"'] and p.data.finetune.root == expected["data.finetune.root"]
     raw = yaml.safe_load((tmp_path / "params.yaml").read_text())
     for key, value in expected.items():
         node = raw

@@ -31,6 +31,9 @@ def repo(tmp_path_factory):
      ["pretrain.global_batch_size: 100000 is larger than the train split", "valid: 1..1257"]),
     ({"ray.num_workers": 64}, ["ray.num_workers: 64 ranks", f"{os.cpu_count()} CPUs", "ray.address"]),
     ({"ray.use_gpu": True}, [f"needs 2 GPU (this machine has {torch.cuda.device_count()})", "ray.use_gpu: false"]),
+    pytest.param({"ray.use_gpu": True, "ray.backend": "local"},
+                 ["ray.use_gpu: true with ray.backend: local needs a CUDA device and torch sees none"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")),
 ])
 def test_infeasible_sizes_fail_fast_with_a_message(repo, updates, needles, monkeypatch, capsys):
     """The pretrain stage's own entry point, in this process (the checks come before Ray and MLflow)."""
@@ -48,7 +51,8 @@ def test_infeasible_sizes_fail_fast_with_a_message(repo, updates, needles, monke
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        set_params(repo, **{"pretrain.global_batch_size": 64, "ray.num_workers": 2, "ray.use_gpu": False})
+        set_params(repo, **{"pretrain.global_batch_size": 64, "ray.num_workers": 2, "ray.use_gpu": False,
+                            "ray.backend": "ray"})
     err = capsys.readouterr().err
     assert stop.value.code == 2, err
     for n in needles:

@@ -528,6 +528,27 @@ def test_dvc_reruns_only_what_a_param_change_touches(repro):
     assert _would_run(repo, **{"data.finetune.seed": 1}) == {"shard@finetune", "finetune", "evaluate", "export"}
 
 
+def test_dvc_sees_the_code_each_stage_runs(repro):
+    """A default in pipeline/config.py (every key params.yaml leaves out) changes every stage's inputs;
+    model code changes evaluate's and export's own, not only through a retrained model (a stage that
+    retrains bit for bit leaves models/finetune as it was, and evaluate's attention maps were stale)."""
+    repo, _ = repro
+
+    def changed_by(path: str) -> set[str]:
+        original = (repo / path).read_text()
+        (repo / path).write_text(original + "\n# an edit\n")
+        try:
+            status = run(["dvc", "status", "--json"], repo, timeout=120)
+            assert status.returncode == 0, status.stderr
+            return set(json.loads(status.stdout))
+        finally:
+            (repo / path).write_text(original)
+
+    assert changed_by("pipeline/config.py") == {"shard@pretrain", "shard@finetune", "pretrain", "finetune",
+                                                 "evaluate", "export"}
+    assert {"evaluate", "export"} <= changed_by("pipeline/model/attention.py")
+
+
 def test_dvc_exp_run_patch_and_resolution(repro):
     """The README's experiment: fine-tune the patch-4 pretrained model at patch 8 and 48 px (kernel
     PI-resized, position embeddings resampled), seen by dvc exp show and MLflow; pretrain is reused,

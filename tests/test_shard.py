@@ -368,6 +368,37 @@ def test_parquet_both_encodings(tmp_path):
     assert np.bincount(y.numpy()).tolist() == info["class_counts"]["train"]
 
 
+def test_parquet_sorted_by_class_is_sharded_shuffled(tmp_path, monkeypatch):
+    """A file stored class by class (as Hugging Face's imagefolder builder writes one) is written in a
+    seeded shuffled order, as the other sources are: in file order each shard held one class. Every row
+    once, the same shards from the same seed, the spool files gone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import tempfile
+
+    rng = np.random.default_rng(0)
+    rows = [(img_bytes(rng, "PNG"), c) for c in range(4) for _ in range(30)]  # 4 classes x 30, sorted
+    src = tmp_path / "sorted.parquet"
+    pq.write_table(pa.table({"image": pa.array([b for b, _ in rows], pa.binary()),
+                             "label": pa.array([c for _, c in rows], pa.int64())}), src, row_group_size=16)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("pipeline.data.parquet_source.SPOOL_BYTES", 2000)  # several buckets for 120 small images
+    cfg = DataConfig(source="parquet", root=src, maxcount=10, val_fraction=0.0, test_fraction=0.0)
+    shard_dataset(tmp_path / "out", cfg)
+    manifest = pq.read_table(tmp_path / "out/manifest.parquet").to_pylist()
+    per_shard = {}
+    for r in manifest:
+        per_shard.setdefault(r["shard"], set()).add(r["label"])
+    assert len(per_shard) == 12 and min(map(len, per_shard.values())) >= 2
+    assert np.mean([len(c) for c in per_shard.values()]) >= 3  # file order: one class each
+    assert sorted((r["source_path"], r["label"]) for r in manifest) == sorted(
+        (f"sorted.parquet#{i}", c) for i, (_, c) in enumerate(rows))
+    assert not list((tmp_path / "tmp").iterdir())
+    shard_dataset(tmp_path / "again", cfg)
+    assert pq.read_table(tmp_path / "again/manifest.parquet").equals(pq.read_table(tmp_path / "out/manifest.parquet"))
+
+
 def test_parquet_given_splits_and_class_names(tmp_path):
     src = make_hf_parquet(tmp_path / "pq")
     (src / "part-0.parquet").rename(src / "train-00000-of-00001.parquet")
@@ -424,6 +455,49 @@ def test_cifar100_pickle_and_errors(tmp_path):
         shard_dataset(tmp_path / "o", DataConfig(source="cifar", root=tmp_path / "empty"))
     with pytest.raises(ValueError, match="is a file"):
         shard_dataset(tmp_path / "o", DataConfig(source="cifar", root=root / "cifar-100-python" / "meta"))
+
+
+def test_damaged_cifar_batch_is_named(tmp_path):
+    """A batch cut short by an interrupted download or extraction (a raw pickle traceback before), or
+    another pickle under its name: a ValueError naming the file."""
+    import pickle
+    root = make_fake_cifar(tmp_path / "src")
+    batch = root / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(batch.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(batch))}: not a readable CIFAR python batch "
+                                         rf"\(UnpicklingError: pickle data was truncated\); extract"):
+        shard_dataset(tmp_path / "o", DataConfig(source="cifar", root=root))
+    batch.write_bytes(pickle.dumps({b"other": 1}))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(batch))}: not a CIFAR python batch \(no labels\)"):
+        shard_dataset(tmp_path / "o", DataConfig(source="cifar", root=root))
+    assert not (tmp_path / "o").exists()
+
+
+def test_split_names_beside_train_are_all_splits(tmp_path):
+    """``dev/`` names val; a folder or file beside ``train`` that names no split is an error (the split
+    folders were read as classes, every image labelled by its split; parquet pooled the given splits)."""
+    root = make_imagefolder(tmp_path / "src", classes=("cat", "dog"), per_class=3, splits=["train", "dev", "test"])
+    info = shard_dataset(tmp_path / "out", DataConfig(source="imagefolder", root=root))
+    assert info["classes"] == ["cat", "dog"] and info["counts"] == {"train": 6, "val": 6, "test": 6}
+    (root / "dev").rename(root / "holdout")
+    with pytest.raises(ValueError, match=r"imagefolder root .*: \['holdout'\] beside the split\(s\) \['test', 'train'\] "
+                                         r"name no split \(split names: train, val, valid, validation, dev, test\)"):
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root))
+    src = make_hf_parquet(tmp_path / "pq")
+    (src / "part-0.parquet").rename(src / "train-00000-of-00001.parquet")
+    with pytest.raises(ValueError, match=r"parquet root .*: \['part-1.parquet'\] beside the split\(s\) \['train'\]"):
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=src))
+    assert not (tmp_path / "o").exists()
+
+
+def test_allowed_bad_images_count_as_the_fraction_says(tmp_path):
+    """29 undecodable of 100 is within max_bad_fraction 0.29 (0.29 * 100 is 28.999... in floating point)."""
+    root = make_imagefolder(tmp_path / "src", classes=("cat",), per_class=71)
+    for i in range(29):
+        (root / "cat" / f"bad{i:02d}.png").write_bytes(b"not a png")
+    info = shard_dataset(tmp_path / "out", DataConfig(source="imagefolder", root=root, max_bad_fraction=0.29,
+                                                      val_fraction=0.0, test_fraction=0.0))
+    assert len(info["bad_files"]) == 29 and info["counts"]["train"] == 71
 
 
 def test_fractals(tmp_path):

@@ -70,6 +70,23 @@ def test_tario_matches_webdataset_on_shards(digits_dir):
     assert [index.load(r) for r in reversed(records)] == ours[::-1]  # random access
 
 
+def test_indexed_shards_keep_few_files_open(digits_dir, monkeypatch):
+    """A reader of many shards keeps only the ``OPEN_SHARDS`` it used last open: it kept every shard it had
+    read, and a set of more shards than the process's file limit (1,024, often) stopped mid-epoch."""
+    import os
+
+    from pipeline.data import tario
+    monkeypatch.setattr(tario, "OPEN_SHARDS", 2)
+    urls = [{"url": str(digits_dir / sh["name"])} for sh in read_dataset_info(digits_dir)["shards"]["train"]]
+    assert len(urls) > 3
+    ours = list(tario.tarfile_samples(urls))
+    index = tario.IndexedShards()
+    fds = len(os.listdir("/proc/self/fd"))
+    loaded = [index.load(r) for r in index(urls)]
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2 and len(index._files) == 2
+    assert loaded == ours and [index.load(r) for r in reversed(list(index(urls)))] == ours[::-1]
+
+
 def test_train_loader_same_batches_from_a_url(digits_dir):
     """URLs are read in full, local shards through the header index: the same batches."""
     fsspec = pytest.importorskip("fsspec")

@@ -23,9 +23,19 @@ LAYOUTS = {
 EXPECTED = "cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta} or cifar-100-python/{train,test,meta}"
 
 
-def _unpickle(path: Path) -> dict:
+def _unpickle(path: Path, *keys: bytes) -> dict:
+    """A CIFAR python batch holding ``keys``; one cut short by an interrupted download or extraction, or
+    another file under the name, is a ValueError naming it."""
+    redo = "extract the CIFAR archive again"
     with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+        try:
+            batch = pickle.load(f, encoding="bytes")
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as exc:
+            raise ValueError(f"{path}: not a readable CIFAR python batch ({type(exc).__name__}: {exc}); {redo}") from None
+    missing = [k.decode() for k in keys if not isinstance(batch, dict) or k not in batch]
+    if missing:
+        raise ValueError(f"{path}: not a CIFAR python batch (no {', '.join(missing)}); {redo}")
+    return batch
 
 
 def find_layout(root: Path) -> tuple[Path, dict]:
@@ -46,12 +56,12 @@ def cifar_listing(*, root, seed, val_fraction, test_fraction, class_names, **_) 
     if root is None:
         raise ValueError(f"source 'cifar' needs root: a directory with {EXPECTED}")
     d, layout = find_layout(Path(root))
-    names = [n.decode() for n in _unpickle(d / layout["meta"])[layout["names"]]]
+    names = [n.decode() for n in _unpickle(d / layout["meta"], layout["names"])[layout["names"]]]
     classes = resolve_classes(class_names, names, f"cifar {d}")
     files = [(s, d / f) for s in ("train", "test") for f in layout[s]]
     labels, given, offset = [], {"train": [], "test": []}, 0
     for split, f in files:
-        y = np.asarray(_unpickle(f)[layout["labels"]], dtype=np.int64)
+        y = np.asarray(_unpickle(f, layout["labels"])[layout["labels"]], dtype=np.int64)
         labels.append(y)
         given[split].append(np.arange(offset, offset + y.size))
         offset += y.size
@@ -64,7 +74,7 @@ def cifar_listing(*, root, seed, val_fraction, test_fraction, class_names, **_) 
     def records():
         i = 0
         for _, f in files:
-            batch = _unpickle(f)
+            batch = _unpickle(f, b"data")
             data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
             fnames = batch.get(b"filenames") or [b""] * len(data)
             for j in range(len(data)):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .records import SPLIT_DIRS, check_labels, records_from_splits
+from .records import SPLIT_DIRS, check_labels, check_split_names, records_from_splits
 from .splits import SourceListing, carve_splits
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
@@ -41,7 +41,8 @@ def list_imagefolder(root: Path) -> dict[str, dict[str, list[str]]]:
     if not top:
         raise ValueError(f"imagefolder root {root} has no class directories; expected {LAYOUT}")
     as_splits = [SPLIT_DIRS.get(d.lower()) for d in top]
-    if "train" in as_splits and all(as_splits):
+    check_split_names(top, as_splits, f"imagefolder root {root}")
+    if "train" in as_splits:
         if len(set(as_splits)) != len(as_splits):
             raise ValueError(f"{root} has two directories for the same split: {top}")
         return {s: {c: _images_under(root / d / c) for c in _subdirs(root / d)} for s, d in zip(as_splits, top)}

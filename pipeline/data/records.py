@@ -12,7 +12,17 @@ import numpy as np
 from .splits import SPLITS, Record
 
 # Directory names a source may give its splits in, and the split each stands for.
-SPLIT_DIRS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
+SPLIT_DIRS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "dev": "val", "test": "test"}
+
+
+def check_split_names(names: list[str], splits: list, where: str) -> None:
+    """Beside a ``train`` directory or file, every other must name a split too: else one unknown name
+    (``holdout/``) would turn the split directories into classes, or pool the given splits and carve
+    them anew."""
+    if "train" in splits and not all(splits):
+        other = [n for n, s in zip(names, splits) if not s]
+        raise ValueError(f"{where}: {other} beside the split(s) {sorted({s for s in splits if s})} name no split "
+                         f"(split names: {', '.join(SPLIT_DIRS)}); rename or move them")
 
 
 def resolve_classes(class_names: Optional[Sequence[str]], default: Sequence[str], where: str) -> list[str]:

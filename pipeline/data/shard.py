@@ -10,6 +10,7 @@ import errno
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -192,7 +193,7 @@ def _write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side
     writers = {s: _SplitWriter(tmp, s, maxcount, maxsize) for s in SPLITS}
     class_counts = {s: [0] * len(listing.classes) for s in SPLITS}
     bad: list[dict] = []
-    allowed_bad = int(max_bad_fraction * listing.total)
+    allowed_bad = math.floor(max_bad_fraction * listing.total + 1e-9)
     rows: dict[str, list] = {name: [] for name in MANIFEST_SCHEMA.names}
 
     hist = np.zeros((3, 256), dtype=np.int64)

@@ -126,6 +126,9 @@ def tarfile_samples(src: Iterable[dict]) -> Iterator[dict]:
     return tariterators.group_by_keys(tar_file_expander(tariterators.url_opener(src)))
 
 
+OPEN_SHARDS = 64  # files a reader keeps open: every shard of a large set at once passes a common limit (1,024)
+
+
 class IndexedShards:
     """Samples of local tar shards as index records: webdataset's sample dicts with ``(offset,
     size)`` in place of each member's bytes, each shard's headers scanned once and kept; :meth:`load`
@@ -153,11 +156,19 @@ class IndexedShards:
 
     def load(self, record: dict) -> dict:
         """The record as ``tarfile_samples`` would have yielded it (member bytes by extension)."""
-        url = record["__url__"]
-        f = self._files.get(url) or self._files.setdefault(url, open(url, "rb"))
+        f = self._file(record["__url__"])
         sample = dict(record)
         for ext, value in record.items():
             if not ext.startswith("__"):
                 f.seek(value[0])
                 sample[ext] = f.read(value[1])
         return sample
+
+    def _file(self, url: str) -> IO[bytes]:
+        """The shard's open file; the ``OPEN_SHARDS`` used last stay open (a stream reads a shard's
+        samples together, so a shard is rarely opened twice in a pass)."""
+        f = self._files.pop(url, None) or open(url, "rb")
+        self._files[url] = f  # the most recently used last
+        if len(self._files) > OPEN_SHARDS:
+            self._files.pop(next(iter(self._files))).close()
+        return f

@@ -148,9 +148,6 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
           f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "
           f"{loop.steps_per_epoch} steps/epoch x {_length(loop)}, {loop.loader_workers} loader worker(s) "
           f"per rank{_graph_note(loop, params.ray)}, run {spec.run_name}", flush=True)
-    if params.ray.backend == "local" and run_dir is None:
-        raise ValueError(f"ray.backend: local writes checkpoints to a local ray.storage_path, "
-                         f"got {params.ray.storage_path!r}")
     try:
         if params.ray.backend == "local":
             final, checkpoint = _fit_local(spec, run, params, run_dir)
