@@ -153,11 +153,12 @@ def export(params: Params) -> dict:
             mlflow.log_metrics({f"{fmt}_max_abs_diff": r["max_abs_diff"], f"{fmt}_top1_agreement": r["top1_agreement"]})
         if failed:
             raise ValueError("export parity check failed: " + "; ".join(failed))
+        # the files a version's users fetch (predict --model models:/…) are in its run before it is registered
+        mlflow.log_artifacts(str(tmp), artifact_path=EXPORT_ARTIFACTS)
         report["registered_model"] = log_and_register(model, images, reference, cfg.registered_model_name,
                                                         run, meta)
         atomic_write_json(out[METRICS / "export.json"], report)
         out.publish()
-        mlflow.log_artifacts(str(EXPORTS), artifact_path=EXPORT_ARTIFACTS)
     for fmt, r in results.items():
         print(f"[export] {fmt}: max |logit diff| {r['max_abs_diff']:.2e}, top-1 agreement "
               f"{r['top1_agreement']:.3f}", flush=True)
