@@ -178,15 +178,15 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     try:
         with ctx as run:
             run_id = run.info.run_id
-            if previous:
-                mlflow.set_tags(all_tags)
-            mlflow.log_params(stage_params(stage, params, extra_params))
-            mlflow.log_text(listing, environment.ARTIFACT)
-            pipeline_run.log_datasets(client, [run_id, parent], stage)
             try:
+                if previous:
+                    mlflow.set_tags(all_tags)
+                mlflow.log_params(stage_params(stage, params, extra_params))
+                mlflow.log_text(listing, environment.ARTIFACT)
+                pipeline_run.log_datasets(client, [run_id, parent], stage)
                 yield run
-            except KeyboardInterrupt:  # Ctrl-C or SIGTERM (pipeline.signals): stopped, not failed
-                status = "KILLED"
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM (pipeline.signals), also while the run is set up:
+                status = "KILLED"      # stopped, not failed
                 mlflow.end_run("KILLED")
                 raise
             status = "FINISHED"

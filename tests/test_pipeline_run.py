@@ -370,3 +370,17 @@ def test_git_dirty_is_about_code_and_params_not_the_pipelines_own_outputs(workdi
     monkeypatch.setenv("VIT_GIT_DIRTY", "true")
     tags = client.get_run(_stage("export", params, {"passed": True})).data.tags
     assert (tags["git.commit"], tags["git.dirty"]) == ("0123abc", "true")
+
+
+def test_a_stop_while_the_stage_run_is_set_up_is_killed_not_failed(workdir, monkeypatch):
+    """Ctrl-C or SIGTERM (a KeyboardInterrupt, pipeline.signals) while the stage's run logs its params and
+    datasets: the run and the pipeline run end KILLED, as a stop during the work does (it was FAILED)."""
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("pipeline.pipeline_run.log_datasets", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        _stage("evaluate", load_params("params.yaml"), {"top1": 0.5})
+    client, exp, (parent,) = _client_and_parent(workdir)
+    (run,) = client.search_runs([exp.experiment_id], "tags.stage = 'evaluate'")
+    assert run.info.status == "KILLED" and client.get_run(parent.info.run_id).info.status == "KILLED"
