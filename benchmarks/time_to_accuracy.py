@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         shards = stage_shards(args, params, stages)
         for shard_dir in set(shards.values()):
             read_dataset_info(shard_dir)  # a missing dataset.json fails here, before any training
+        if args.out:  # its folder now, not after the training (the report would be lost then)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
     except (ConfigError, OSError) as exc:
         return fail(exc)
     deadline = None if args.max_minutes is None else STARTED + 60 * args.max_minutes

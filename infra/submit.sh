@@ -15,7 +15,7 @@
 # same path (NFS, EFS, a local path for a one-machine cluster) or an s3:// prefix. See infra/README.md.
 #
 # Environment:
-#   RAY_API_SERVER_ADDRESS  job API of the head  [http://127.0.0.1:8265]
+#   RAY_API_SERVER_ADDRESS  job API of the head  [http://127.0.0.1:8265]; --address URL says it too
 #   RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH   the cluster's token (else ~/.ray/auth_token)
 #   VIT_WORKSPACE           where the job's inputs and outputs live, as the cluster sees it  (required)
 #   VIT_PARAMS              params file, relative to the repo root  [params.yaml]
@@ -86,6 +86,8 @@ for i in "${!opts[@]}"; do
     --no-wait) no_wait=true ;;
     --submission-id) job_id=${opts[i+1]:-} ;;
     --submission-id=*) job_id=${opts[i]#*=} ;;
+    --address) RAY_API_SERVER_ADDRESS=${opts[i+1]:-} ;;  # the head the job goes to is the one to ask
+    --address=*) RAY_API_SERVER_ADDRESS=${opts[i]#*=} ;;
   esac
 done
 if [[ -z $job_id ]]; then

@@ -222,9 +222,11 @@ def test_submit_exits_nonzero_when_the_job_is_stopped(ray_head, env_factory, tmp
 
     repo = _copy_repo(tmp_path / "repo")
     env = env_factory(**{k: v for k, v in ray_head["env"].items() if k.startswith("RAY_AUTH")},
-                      RAY_API_SERVER_ADDRESS=ray_head["api"], VIT_WORKSPACE=str(tmp_path / "workspace"))
+                      VIT_WORKSPACE=str(tmp_path / "workspace"))
+    env.pop("RAY_API_SERVER_ADDRESS", None)  # the head named by --address is the one asked how the job ended
     job_id = f"vit-stop-{tmp_path.name[-8:].replace('_', '-')}"
-    sub = subprocess.Popen(["bash", "infra/submit.sh", "--submission-id", job_id, "--", "sleep", "600"], cwd=repo,
+    sub = subprocess.Popen(["bash", "infra/submit.sh", "--submission-id", job_id, f"--address={ray_head['api']}",
+                            "--", "sleep", "600"], cwd=repo,
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = JobSubmissionClient(ray_head["api"], headers={"Authorization": f"Bearer {ray_head['token']}"})
     try:

@@ -41,7 +41,7 @@ def checkpointed_epochs(run_dir) -> list[int]:
 @pytest.mark.slow
 def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
     """Checkpoints every 2 epochs: the budget stops the run at the first one, after epoch 2."""
-    out = tmp_path / "tta.json"
+    out = tmp_path / "results" / "tta.json"  # a folder not there yet: made before the training
     command = ("--shards", digits_dir, "--workdir", tmp_path / "work", *TINY, "--set", "pretrain.epochs=3",
                "--set", "pretrain.checkpoint_every_epochs=2", "--max-minutes", "0", "--out", out)
 
@@ -66,7 +66,7 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
     last = pretrain["history"][-1]
     assert (last["val_top1"], last["wall_time_s"], last["images_seen"]) == \
         (pretrain["val_top1"], pretrain["wall_time_s"], pretrain["images_seen"])
-    assert (tmp_path / "tta_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # beside --out
+    assert (tmp_path / "results" / "tta_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # beside --out
     assert all(s["wall_time_s"] > 0 for s in report["stages"].values())
     for stage, s in report["stages"].items():  # the loop's pace: medians over its epochs
         assert s["images_per_s"] > 0 and 0 < s["input_wait_share"] < 1
