@@ -9,7 +9,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SHARDS = Path("data/shards")
 MODELS = Path("models")
@@ -55,19 +55,29 @@ def apply_umask(path: str | os.PathLike) -> None:
     os.chmod(path, full & ~current_umask())
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write next to the target, then rename: readers never see a half-written file."""
+def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> None:
+    """``write(tmp)`` next to ``path``, on disk (fsync), then renamed over it: readers never see a
+    half-written file, and a crash or power loss leaves the old file or the new one, not an empty one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".partial.{path.name}.")  # .gitignore'd if a kill leaves it
+    os.close(fd)
     try:
+        write(tmp)
         apply_umask(tmp)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def csv_text(header: list[str], rows) -> str:

@@ -181,10 +181,9 @@ def test_a_busy_stage_names_the_holder_and_its_host(tmp_path, monkeypatch):
 def test_atomic_write_leaves_no_temp_outside_the_ignored_names(tmp_path, monkeypatch):
     """A kill mid-write leaves the temp file: it is named like staged outputs (.gitignore'd, swept by tests).
     Before: '.<name>.XXXX', which git status showed in metrics/."""
-    def killed(fd, mode):
-        os.close(fd)
-        raise SystemExit("killed while writing")
-    monkeypatch.setattr(os, "fdopen", killed)
+    def killed(fd):
+        raise SystemExit("killed before the rename")
+    monkeypatch.setattr(os, "fsync", killed)
     monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: None)  # as SIGKILL: no cleanup
     with pytest.raises(SystemExit):
         atomic_write_text(tmp_path / "metrics" / "m.json", "{}")

@@ -1,22 +1,20 @@
 """Checkpoint directory = ``model.safetensors`` (weights) + ``config.json`` (how to rebuild).
 
 safetensors instead of pickle: loading cannot execute code and is zero-copy.
-Each file is written to a temp file in the same directory and ``os.replace``d
-into place, so a crash never leaves a half-written checkpoint under the real name.
+Each file is written to a temp file in the same directory, synced and ``os.replace``d into place
+(:func:`pipeline.utils.atomic_write`), so a crash never leaves a half-written checkpoint under the real name.
 """
 from __future__ import annotations
 
 import errno
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.utils import apply_umask, error_summary
+from pipeline.utils import atomic_write, error_summary
 
 from .config import ViTConfig
 from .vit import VisionTransformer
@@ -46,19 +44,6 @@ def read_model_file(path: Path, loader: Callable[[Path], Any], redo: str = REDO)
                              f"({error_summary(exc)}); {redo}") from None
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        apply_umask(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_model(model: VisionTransformer, directory, extra: dict[str, Any] | None = None) -> Path:
     """Write weights then config (config last: its presence marks a complete checkpoint).
 
@@ -69,8 +54,8 @@ def save_model(model: VisionTransformer, directory, extra: dict[str, Any] | None
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
-    _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(text))
+    atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
+    atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(text))
     return directory
 
 
@@ -78,7 +63,7 @@ def save_config(model: VisionTransformer, directory, extra: dict[str, Any] | Non
     """``config.json`` alone, as :func:`save_model` writes it: for an export without ``model.safetensors``
     (its other formats are read with it, for the classes and preprocessing)."""
     text = _config_text(model, extra)
-    _atomic_write(Path(directory) / CONFIG_NAME, lambda p: Path(p).write_text(text))
+    atomic_write(Path(directory) / CONFIG_NAME, lambda p: Path(p).write_text(text))
     return Path(directory) / CONFIG_NAME
 
 
