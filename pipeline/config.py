@@ -401,7 +401,7 @@ def _check_model(p: Params) -> None:
     _choice("finetune.head", p.finetune.head, HEADS)
 
 
-def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
+def _check_training(stage: str, t: TrainConfig, ranks: int) -> None:
     from pipeline.data.transforms import resolve_augment
     from pipeline.train.selection import KEEP_CHOICES
 
@@ -437,9 +437,9 @@ def _check_training(stage: str, t: TrainConfig, num_workers: int) -> None:
         raise ConfigError(f"{stage}.mixup_alpha / cutmix_alpha must be >= 0 (0 turns them off)")
     if not 0.0 < t.mix_prob <= 1.0:
         raise ConfigError(f"{stage}.mix_prob: {t.mix_prob!r} must be in (0, 1] (the share of batches mixed)")
-    if t.global_batch_size % num_workers:
+    if t.global_batch_size % ranks:  # ray.num_workers ranks; 1 with backend local
         raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
-                          f"ray.num_workers={num_workers} (each worker gets an equal share)")  # 1 rank with backend local
+                          f"ray.num_workers={ranks} (each worker gets an equal share)")
 
 
 def _check_time_budget(stage: str, t: TrainConfig) -> None:

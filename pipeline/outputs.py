@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 from pipeline.signals import StageInterrupted, held_signals
+from pipeline.utils import PARTIAL
 
-PARTIAL = ".partial."
 published: list[Path] = []  # what this process has published: a stage stopped after it says so
 
 

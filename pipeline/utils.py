@@ -15,6 +15,7 @@ SHARDS = Path("data/shards")
 MODELS = Path("models")
 METRICS = Path("metrics")
 PLOTS = Path("plots")
+PARTIAL = ".partial."  # the prefix of an output being written (.gitignore'd): atomic_write's and pipeline.outputs'
 EXPORTS = Path("exports")
 
 
@@ -60,7 +61,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
     half-written file, and a crash or power loss leaves the old file or the new one, not an empty one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".partial.{path.name}.")  # .gitignore'd if a kill leaves it
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{PARTIAL}{path.name}.")  # .gitignore'd if a kill leaves it
     os.close(fd)
     try:
         write(tmp)

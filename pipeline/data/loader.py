@@ -62,11 +62,17 @@ def read_dataset_info(shard_dir) -> dict:
             raise ValueError(f"{path}: not valid JSON ({exc}); {_reshard(shard_dir)}") from None
 
 
+def _shard_stage(shard_dir) -> str | None:
+    """The shard stage whose output the folder is named as (data/shards/<stage>), if any."""
+    name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
+    return name if name in TRAINING_STAGES else None
+
+
 def _reshard(shard_dir, when: str = "again") -> str:
     """What to do about a missing or damaged shard directory: the shard stage's command where the
-    folder is named as one of its outputs (data/shards/<stage>), else the function it runs."""
-    name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
-    if name not in TRAINING_STAGES:
+    folder is named as one of its outputs, else the function it runs."""
+    name = _shard_stage(shard_dir)
+    if name is None:
         return f"write it {when} with the shard stage or pipeline.data.shard_dataset()"
     return f"run the shard stage {when} (dvc repro, or python -m stages.shard {name})"
 
@@ -91,8 +97,8 @@ def require_split(shard_dir, info: dict, split: str) -> None:
     (the shard stage warned of it) and what gives it some."""
     if info["counts"][split]:
         return
-    name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
-    key = f"data.{name}.{split}_fraction" if name in TRAINING_STAGES else f"{split}_fraction"
+    name = _shard_stage(shard_dir)
+    key = f"data.{name}.{split}_fraction" if name else f"{split}_fraction"
     raise ValueError(f"{shard_dir} holds no {split} images ({why_empty(info, split)}): {EMPTY_SPLIT_EFFECT[split]}; "
                      f"give the source a {split}/ folder or set {key} above 0, then {_reshard(shard_dir)}")
 
