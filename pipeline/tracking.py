@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 from pipeline import environment, pipeline_run
 from pipeline.config import ConfigError, Params, flatten, params_file
+from pipeline.signals import StageInterrupted, held_signals
 from pipeline.storage import file_hash
 from pipeline.utils import METRICS, PLOTS, error_summary
 
@@ -159,27 +160,23 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     listing = environment.packages()
     pid = pipeline_id(params_path)
     start_ms = pipeline_run.process_start_ms()
-    parent = _parent_run(client, experiment.experiment_id, pid,
-                         {**base_tags, **pipeline_run.experiment_name_tag()}, params, start_ms)
     all_tags = {**base_tags, **environment.describe(listing=listing), **(tags or {}), "stage": stage, "kind": "stage",
-                "pipeline.id": pid, "mlflow.parentRunId": parent}
-    previous = None
-    if resume_key:
-        all_tags["ray.run_name"] = resume_key
-        found = client.search_runs([experiment.experiment_id], f"tags.`ray.run_name` = '{resume_key}'",
-                                   max_results=1)
-        previous = found[0].info.run_id if found else None
+                "pipeline.id": pid}
     run_name = all_tags.pop("run_name", stage)
-    if previous:
-        ctx = mlflow.start_run(run_id=previous, log_system_metrics=system_metrics)
-    else:
-        ctx = mlflow.start_run(run_name=run_name, tags=all_tags, log_system_metrics=system_metrics)
-    status, run_id = "FAILED", None
+    status, run_id, parent = "FAILED", None, None
     try:
+        with held_signals() as pending:  # a stop between the two runs' starts would leave the parent RUNNING
+            parent = _parent_run(client, experiment.experiment_id, pid,
+                                 {**base_tags, **pipeline_run.experiment_name_tag()}, params, start_ms)
+            all_tags["mlflow.parentRunId"] = parent
+            ctx, resumed = _start_stage_run(client, experiment.experiment_id, run_name, all_tags, resume_key,
+                                            system_metrics)
         with ctx as run:
             run_id = run.info.run_id
             try:
-                if previous:
+                if pending:
+                    raise StageInterrupted(pending[-1])
+                if resumed:
                     mlflow.set_tags(all_tags)
                 mlflow.log_params(stage_params(stage, params, extra_params))
                 mlflow.log_text(listing, environment.ARTIFACT)
@@ -191,7 +188,23 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
                 raise
             status = "FINISHED"
     finally:  # after the stage's run has ended: the pipeline run ends with (or after) it
-        _finish_parent(client, experiment.experiment_id, parent, pid, stage, run_id, start_ms, status)
+        if parent is not None:
+            _finish_parent(client, experiment.experiment_id, parent, pid, stage, run_id, start_ms, status)
+
+
+def _start_stage_run(client, experiment_id: str, run_name: str, tags: dict[str, str], resume_key: str | None,
+                     system_metrics: bool):
+    """The stage's active MLflow run, and whether it is one a re-launch resumes (found by ``resume_key``)."""
+    import mlflow
+
+    previous = None
+    if resume_key:
+        tags["ray.run_name"] = resume_key
+        found = client.search_runs([experiment_id], f"tags.`ray.run_name` = '{resume_key}'", max_results=1)
+        previous = found[0].info.run_id if found else None
+    if previous:
+        return mlflow.start_run(run_id=previous, log_system_metrics=system_metrics), True
+    return mlflow.start_run(run_name=run_name, tags=tags, log_system_metrics=system_metrics), False
 
 
 def _finish_parent(client, experiment_id: str, parent: str, pid: str, stage: str, run_id: str | None,

@@ -252,3 +252,15 @@ def digits_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("digits") / "shards"
     shard_dataset(out, DataConfig(source="digits", maxcount=200))
     return out
+
+
+@pytest.fixture
+def stage_signals():
+    """SIGTERM/SIGINT raise StageInterrupted, as in a stage; the test process's handlers come back after."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    from pipeline.signals import raise_on_signals
+
+    raise_on_signals()
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)

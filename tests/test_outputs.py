@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import cli, outputs
 from pipeline.outputs import PARTIAL, StagedOutputs, staged_outputs
-from pipeline.signals import StageInterrupted, raise_on_signals
+from pipeline.signals import StageInterrupted
 from pipeline.utils import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,16 +30,6 @@ def old_outputs(tmp_path, monkeypatch):
     Path("metrics").mkdir()
     Path("metrics/export.json").write_text("old")
     return tmp_path
-
-
-@pytest.fixture
-def stage_signals():
-    """SIGTERM/SIGINT raise StageInterrupted, as in a stage; the test process's handlers come back after."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    raise_on_signals()
-    yield
-    for sig, handler in before.items():
-        signal.signal(sig, handler)
 
 
 def _state(root: Path) -> dict[str, str]:

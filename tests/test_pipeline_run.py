@@ -384,3 +384,28 @@ def test_a_stop_while_the_stage_run_is_set_up_is_killed_not_failed(workdir, monk
     client, exp, (parent,) = _client_and_parent(workdir)
     (run,) = client.search_runs([exp.experiment_id], "tags.stage = 'evaluate'")
     assert run.info.status == "KILLED" and client.get_run(parent.info.run_id).info.status == "KILLED"
+
+
+def test_a_stop_while_the_pipeline_run_starts_ends_it_killed(workdir, monkeypatch, stage_signals):
+    """SIGTERM while the pipeline run is being opened (before the stage's run exists) is held until the
+    stage's run has started; then both end KILLED, instead of the pipeline run staying RUNNING."""
+    import os
+    import signal
+
+    from pipeline import pipeline_run
+    from pipeline.signals import StageInterrupted
+
+    real = pipeline_run.find_or_create
+
+    def signalled(*args, **kwargs):
+        run_id = real(*args, **kwargs)  # the pipeline run exists, RUNNING; the stage's does not yet
+        os.kill(os.getpid(), signal.SIGTERM)
+        return run_id
+
+    monkeypatch.setattr(pipeline_run, "find_or_create", signalled)
+    with pytest.raises(StageInterrupted):
+        _stage("evaluate", load_params("params.yaml"), {"top1": 0.5})
+    client, exp, (parent,) = _client_and_parent(workdir)
+    (run,) = client.search_runs([exp.experiment_id], "tags.stage = 'evaluate'")
+    assert run.info.status == "KILLED" and client.get_run(parent.info.run_id).info.status == "KILLED"
+    assert client.get_run(parent.info.run_id).data.tags["evaluate.status"] == "KILLED"
