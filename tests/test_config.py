@@ -23,6 +23,14 @@ def test_repo_params_load():
     assert flat["model.preset"] == p.model.preset and "finetune.interpolation.antialias" in flat
 
 
+@pytest.mark.parametrize("stage", ["pretrain", "finetune", "evaluate"])
+def test_stages_that_compute_on_the_runner_rerun_when_it_changes(stage):
+    """DVC re-runs a stage whose numbers the runner can change (CPU or GPU, one rank or several, Ray or
+    in-process): its ``params`` list the ray keys that decide where and how it computes."""
+    listed = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["params"]
+    assert {"ray.backend", "ray.num_workers", "ray.use_gpu"} <= set(listed)
+
+
 def test_params_yaml_and_code_defaults_agree():
     """Each default is defined once: a key left out of a params file means what params.yaml says.
 
