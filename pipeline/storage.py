@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
+from pipeline.outputs import StagedOutputs
 from pipeline.utils import SHARDS, apply_umask
 
 SHARDS_URL_ENV = "VIT_SHARDS_URL"
@@ -242,25 +241,6 @@ def _local_target(local, verb: str, what_to_do: str, spare: dict) -> Path:
     return dest
 
 
-def _swap_in(new: Path, dest: Path) -> None:
-    """Rename folder ``new`` to ``dest``. An old ``dest`` is renamed aside first and deleted last, so a failure
-    at any step leaves the old contents or the new ones in place, never neither."""
-    if not dest.exists():
-        new.rename(dest)
-        return
-    old = dest.with_name(f".{dest.name}.old-{new.name.rpartition('-')[2]}")  # mkdtemp made the suffix unique
-    dest.rename(old)
-    try:
-        new.rename(dest)
-    except BaseException:
-        old.rename(dest)
-        raise
-    try:
-        shutil.rmtree(old)
-    except OSError as exc:  # the new contents are in place: the pull worked
-        print(f"[storage] warning: could not delete the old copy {old}: {exc}", file=sys.stderr, flush=True)
-
-
 def download_dir(url: str, local: str | os.PathLike, *, missing_ok: bool = False) -> Optional[Path]:
     """Copy everything under ``url`` into folder ``local`` (resolved, and returned), replacing it whole:
     downloaded beside it, then swapped in, so a failure leaves the old folder as it was.
@@ -276,8 +256,10 @@ def download_dir(url: str, local: str | os.PathLike, *, missing_ok: bool = False
         if missing_ok:
             return None
         raise FileNotFoundError(f"nothing under {url}")
-    local.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{local.name}.tmp-", dir=local.parent))
+    local.parent.mkdir(parents=True, exist_ok=True)  # a file in the way: main() names it
+    staged = StagedOutputs([local])  # downloaded beside it, then swapped in; what a killed pull left goes
+    tmp = staged[local]
+    tmp.mkdir()
     prefix = root.rstrip("/") + "/"
     try:
         for obj in objects:
@@ -285,10 +267,9 @@ def download_dir(url: str, local: str | os.PathLike, *, missing_ok: bool = False
             target.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(obj, str(target))
         apply_umask(tmp)
-        _swap_in(tmp, local)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        staged.publish()
+    finally:
+        staged.discard()
     return local
 
 

@@ -80,6 +80,44 @@ def test_rerun_replaces_old_output(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_what_a_killed_run_left_is_cleared_by_the_next(tmp_path):
+    """A run killed outright (SIGKILL, the OOM killer) leaves its half-written copy beside the output, or, killed
+    between the two renames, the previous output aside: the next run puts that back, removes the half copy
+    and replaces the output (each killed run used to leave one more copy of the shards behind)."""
+    out = tmp_path / "out"
+    shard_dataset(out, DataConfig(source="digits", maxcount=1000))
+    before = read_dataset_info(out)["shards"]
+    (tmp_path / ".partial.out").mkdir()
+    (tmp_path / ".partial.out/train-000000.tar").write_bytes(b"half")
+    out.rename(tmp_path / ".partial.old.out")  # killed after moving the old output aside
+    shard_dataset(out, DataConfig(source="digits", maxcount=1000))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and read_dataset_info(out)["shards"] == before
+
+
+def test_a_signal_while_the_shards_are_swapped_in_keeps_the_previous_ones(tmp_path, monkeypatch, stage_signals):
+    """SIGTERM between moving the previous shards aside and the new ones in: the previous ones come back whole
+    and nothing is left beside them (the output used to be gone, the previous one hidden aside)."""
+    import signal
+
+    from pipeline.signals import StageInterrupted
+
+    out = tmp_path / "out"
+    shard_dataset(out, DataConfig(source="digits", maxcount=100))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = os.replace
+
+    def signalled(src, dst):
+        if Path(dst) == out:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", signalled)
+    with pytest.raises(StageInterrupted):
+        shard_dataset(out, DataConfig(source="digits", maxcount=1000))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_atomic_on_failure(tmp_path, monkeypatch):
     calls = {"n": 0}
     real = shard_mod.prepare
@@ -334,7 +372,7 @@ def test_full_disk_is_one_line_and_keeps_the_previous_output(tmp_path, monkeypat
     assert [p.name for p in Path("data/shards").iterdir()] == ["pretrain"]
     assert {p.name: p.read_bytes() for p in Path("data/shards/pretrain").iterdir()} == before
     open_files = [os.readlink(fd) for fd in Path("/proc/self/fd").iterdir() if fd.is_symlink()]
-    assert not [f for f in open_files if ".pretrain.tmp-" in f]  # no tar left to finish at exit
+    assert not [f for f in open_files if ".partial.pretrain" in f]  # no tar left to finish at exit
 
 
 def test_imagefolder_errors(tmp_path):

@@ -4,6 +4,7 @@ Train's ``storage_path: s3://…``, dies, and a re-run on a wiped local disk res
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -110,19 +111,19 @@ def test_pull_replaces_a_folder_whole_and_a_failure_keeps_the_old_one(src_and_cw
     src, cwd = src_and_cwd
     (cwd / "out").mkdir()
     (cwd / "out/old.txt").write_text("old")
-    real_rename = Path.rename
+    real_replace = os.replace
 
-    def rename_fails_into_out(self, target):
-        if Path(target).name == "out" and ".tmp-" in self.name:
-            raise OSError(28, "No space left on device", str(target))
-        return real_rename(self, target)
+    def replace_fails_into_out(src, dst):
+        if Path(dst).name == "out" and Path(src).name == ".partial.out":
+            raise OSError(28, "No space left on device", str(dst))
+        return real_replace(src, dst)
 
-    monkeypatch.setattr(Path, "rename", rename_fails_into_out)
+    monkeypatch.setattr(os, "replace", replace_fails_into_out)
     with pytest.raises(OSError, match="No space left"):
         storage.download_dir(str(src), "out")
     assert _tree(cwd / "out") == {"old.txt": b"old"} and sorted(p.name for p in cwd.iterdir()) == [
         "important.txt", "out"], "the old folder must be back, and no temporary folder left"
-    monkeypatch.setattr(Path, "rename", real_rename)
+    monkeypatch.setattr(os, "replace", real_replace)
     assert storage.main(["pull", str(src), "out"]) == 0
     assert _tree(cwd / "out") == _tree(src)
     assert sorted(p.name for p in cwd.iterdir()) == ["important.txt", "out"]

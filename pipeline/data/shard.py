@@ -13,9 +13,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +25,7 @@ import webdataset as wds
 from PIL import Image
 
 from pipeline.config import ENCODINGS, DataConfig
+from pipeline.outputs import StagedOutputs
 from pipeline.utils import apply_umask
 
 from .codec import decode, encode_ppm
@@ -267,17 +265,6 @@ def _check_replaceable(out: Path) -> None:
                               "refusing to replace it")
 
 
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    _check_replaceable(out)
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def shard_dataset(out_dir, spec: DataConfig) -> dict:
     """Write ``spec.source`` as train/val/test webdataset shards in ``out_dir``; return dataset.json's content.
 
@@ -297,9 +284,10 @@ def shard_dataset(out_dir, spec: DataConfig) -> dict:
     if spec.max_side is not None and spec.max_side < 1:
         raise ValueError(f"max_side={spec.max_side!r}: must be null or >= 1")
     out = Path(out_dir)
+    staged = StagedOutputs([out])  # written beside it, swapped in at the end (what a killed run left goes)
     _check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = staged[out]
+    tmp.mkdir()
     try:
         apply_umask(tmp)
         listing = list_source(spec.source, root=spec.root, seed=spec.seed, val_fraction=spec.val_fraction,
@@ -325,15 +313,14 @@ def shard_dataset(out_dir, spec: DataConfig) -> dict:
         }
         (tmp / "bad_files.json").write_text(json.dumps(written["bad_files"], indent=2) + "\n")
         (tmp / "dataset.json").write_text(json.dumps(info, indent=2) + "\n")
-        _swap_into_place(tmp, out)
+        _check_replaceable(out)
+        staged.publish()
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         if exc.errno in DISK_FULL:
             raise OSError(exc.errno, f"no space left on the device of {out.parent} while writing the shards "
                           f"({exc.strerror}); the partial output was removed and {out} is as before: free "
                           f"space and re-run") from exc
         raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        staged.discard()
     return info
