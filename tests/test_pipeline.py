@@ -547,6 +547,10 @@ def test_dvc_sees_the_code_each_stage_runs(repro):
     assert changed_by("pipeline/config.py") == {"shard@pretrain", "shard@finetune", "pretrain", "finetune",
                                                  "evaluate", "export"}
     assert {"evaluate", "export"} <= changed_by("pipeline/model/attention.py")
+    # what writes the outputs' bytes (CSV, JSON, the curves) and picks evaluate's device
+    assert changed_by("pipeline/utils.py") == {"pretrain", "finetune", "evaluate", "export"}
+    assert changed_by("pipeline/plots.py") == {"pretrain", "finetune", "evaluate"}
+    assert changed_by("pipeline/train/context.py") == {"pretrain", "finetune", "evaluate"}
 
 
 def test_dvc_exp_run_patch_and_resolution(repro):
@@ -601,6 +605,30 @@ def test_dvc_exp_run_tta_re_runs_evaluate_only(repro):
     assert parent.data.params["evaluate.tta"] == "hflip-shift"
     assert parent.data.metrics["test_top1"] == pytest.approx(flipped["top1"])
     assert parent.data.metrics["test_top1_single_view"] == pytest.approx(plain["top1"])
+
+
+def test_a_stage_that_fails_under_dvc_gets_its_outputs_back_from_dvc_checkout(repro):
+    """`dvc repro` deletes a stage's outputs before it starts the stage's command, so a stage that fails
+    there leaves none (run by itself it leaves the previous ones); as the README says, `dvc checkout
+    <stage>` brings its cached outputs back byte for byte (dvc.lock still names them), and the metrics file,
+    which git keeps, comes back from git."""
+    repo, _ = repro
+    exports = {p.relative_to(repo): p.read_bytes() for p in (repo / "exports").rglob("*") if p.is_file()}
+    metrics = (repo / "metrics/export.json").read_bytes()
+    original = (repo / "params.yaml").read_text()
+    raw = yaml.safe_load(original)
+    raw["export"]["max_abs_diff"] = -1.0  # refused by the stage (exit 2), after DVC removed its outputs
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    try:
+        proc = run(["dvc", "repro", "export"], repo, timeout=300)
+        assert proc.returncode != 0 and "export.max_abs_diff" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+        assert not (repo / "exports").exists() and not (repo / "metrics/export.json").exists()
+    finally:
+        (repo / "params.yaml").write_text(original)
+        (repo / "metrics/export.json").write_bytes(metrics)  # what `git checkout metrics/` does in a real checkout
+    assert run(["dvc", "checkout", "export"], repo, timeout=300).returncode == 0
+    assert {p.relative_to(repo): p.read_bytes() for p in (repo / "exports").rglob("*") if p.is_file()} == exports
+    assert run(["dvc", "status"], repo, timeout=120).stdout.strip() == "Data and pipelines are up to date."
 
 
 def test_dvc_remote_push_then_a_fresh_clone_pulls_and_is_up_to_date(repro, s3_server, tmp_path):
