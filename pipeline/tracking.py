@@ -144,8 +144,8 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
               system_metrics: bool = False, params_path: str | None = None) -> Iterator[Any]:
     """Create the stage's MLflow run under the pipeline's parent run; yields the active run.
 
-    ``resume_key`` (the Ray run name) makes a re-launched training run log into the MLflow run it
-    started before instead of opening a second one. The run ends FAILED if the stage raises.
+    ``resume_key`` (the Ray run name) makes a re-launched training run that did not finish log into the
+    MLflow run it started before instead of opening a second one. The run ends FAILED if the stage raises.
     """
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -194,16 +194,19 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
 
 def _start_stage_run(client, experiment_id: str, run_name: str, tags: dict[str, str], resume_key: str | None,
                      system_metrics: bool):
-    """The stage's active MLflow run, and whether it is one a re-launch resumes (found by ``resume_key``)."""
+    """The stage's active MLflow run, and whether it is one a re-launch resumes: the newest run of the same
+    Ray run (``resume_key``) that did not finish. One that finished belongs to its own pipeline run and stays
+    there; a new run names it (``ray.previous_mlflow_run``: a re-run that trains nothing has its curves)."""
     import mlflow
 
-    previous = None
     if resume_key:
         tags["ray.run_name"] = resume_key
-        found = client.search_runs([experiment_id], f"tags.`ray.run_name` = '{resume_key}'", max_results=1)
-        previous = found[0].info.run_id if found else None
-    if previous:
-        return mlflow.start_run(run_id=previous, log_system_metrics=system_metrics), True
+        found = client.search_runs([experiment_id], f"tags.`ray.run_name` = '{resume_key}'", max_results=1,
+                                   order_by=["attributes.start_time DESC"])
+        if found and found[0].info.status != "FINISHED":
+            return mlflow.start_run(run_id=found[0].info.run_id, log_system_metrics=system_metrics), True
+        if found:
+            tags["ray.previous_mlflow_run"] = found[0].info.run_id
     return mlflow.start_run(run_name=run_name, tags=tags, log_system_metrics=system_metrics), False
 
 

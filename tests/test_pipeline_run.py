@@ -409,3 +409,32 @@ def test_a_stop_while_the_pipeline_run_starts_ends_it_killed(workdir, monkeypatc
     (run,) = client.search_runs([exp.experiment_id], "tags.stage = 'evaluate'")
     assert run.info.status == "KILLED" and client.get_run(parent.info.run_id).info.status == "KILLED"
     assert client.get_run(parent.info.run_id).data.tags["evaluate.status"] == "KILLED"
+
+
+def test_a_finished_training_run_stays_under_its_pipeline_and_an_unfinished_one_resumes(workdir, monkeypatch):
+    """The MLflow run of a Ray run that finished belongs to its pipeline run: launched again under another
+    pipeline (`dvc exp run -f`, a code change) the stage opens a new run naming it, instead of taking it
+    (with its history) away from its pipeline; a run that did not finish is resumed wherever it is."""
+    params = load_params("params.yaml")
+
+    def launch(exp: str, fail: bool = False) -> str:
+        monkeypatch.setenv("DVC_EXP_NAME", exp)
+        try:
+            with stage_run("pretrain", params, resume_key="pretrain-0123abcd") as run:
+                if fail:
+                    raise RuntimeError("boom")
+        except RuntimeError:
+            pass
+        return run.info.run_id
+
+    first = launch("base")
+    second = launch("again")
+    client, exp, parents = _client_and_parent(workdir)
+    by_name = {p.info.run_name: p.info.run_id for p in parents}
+    assert second != first
+    assert client.get_run(first).data.tags["mlflow.parentRunId"] == by_name["base"]
+    assert client.get_run(second).data.tags["mlflow.parentRunId"] == by_name["again"]
+    assert client.get_run(second).data.tags["ray.previous_mlflow_run"] == first
+    third = launch("failing", fail=True)
+    assert launch("retry") == third != second  # the FAILED one resumes, moved to the pipeline that runs it
+    assert client.get_run(third).info.status == "FINISHED"
