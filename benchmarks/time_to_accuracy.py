@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
 from pipeline.config import ConfigError, Params  # noqa: E402
 from pipeline.data import read_dataset_info  # noqa: E402
+from pipeline.data.transforms import eval_augment  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
 from pipeline.inference import predict_split, scored_metrics, views_note  # noqa: E402
 from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
@@ -141,7 +142,7 @@ def evaluate_test(model_dir: Path, shard_dir: Path, params: Params, device: torc
     evaluate stage scores them (its batch size, ``evaluate.tta``'s views, the saved normalisation; fp32)."""
     model, meta = load_model(model_dir)
     scored = predict_split(model.to(device), shard_dir, "test", image_size=meta["image_size"],
-                           batch_size=params.evaluate.batch_size, normalize=meta["normalize"], tta=params.evaluate.tta)
+                           batch_size=params.evaluate.batch_size, normalize=eval_augment(meta), tta=params.evaluate.tta)
     metrics = scored_metrics(scored, params.evaluate.tta)
     return {"test_tta": params.evaluate.tta, "test_images": metrics.pop("num_samples"),
             **{f"test_{k}": v for k, v in metrics.items()}}

@@ -14,6 +14,7 @@ from pipeline import storage
 from pipeline.cluster import check_local_capacity, worker_resources
 from pipeline.config import TRAINING_STAGES, Params
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info, require_split
+from pipeline.data.transforms import eval_augment
 from pipeline.environment import device_name
 from pipeline.inference import Predictions, predict_rank, predict_split, scored_metrics, views_note
 from pipeline.metrics import attention_rollout, confusion_matrix, macro_scores, per_class, predicted_class
@@ -93,7 +94,7 @@ def write_class_tables(confusion_csv: Path, per_class_csv: Path, classes: list[s
 
 def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path, n: int = 8) -> None:
     """Attention rollout of the first ``n`` test images, overlaid on the images."""
-    normalize = meta["normalize"]
+    normalize = eval_augment(meta)
     images, labels = next(iter(make_eval_loader(shard_dir, "test", batch_size=n, image_size=meta["image_size"],
                                                 rank=0, world_size=1, augment=normalize)))
     model.eval()
@@ -122,7 +123,7 @@ def evaluate(params: Params) -> dict:
     require_split(shard_dir, info, "test")
     check_shard_files(shard_dir, info)
     model, meta = load_model(MODELS / "finetune")
-    size, normalize, classes = meta["image_size"], meta["normalize"], meta["classes"]
+    size, normalize, classes = meta["image_size"], eval_augment(meta), meta["classes"]
     with staged_outputs(*OUTPUTS) as out, \
             stage_run("evaluate", params, extra_params={"model_size": params.model.preset, "image_size": size,
                                                         "patch_size": model.config.patch_size[0],

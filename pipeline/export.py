@@ -14,6 +14,7 @@ import torch
 from pipeline import storage
 from pipeline.config import Params
 from pipeline.data import make_eval_loader, read_dataset_info, require_split
+from pipeline.data.transforms import eval_augment
 from pipeline.model import VisionTransformer, load_model, save_config, save_model
 from pipeline.outputs import staged_outputs
 from pipeline.registry import EXPORT_ARTIFACTS, model_run_tag, record_version
@@ -133,7 +134,7 @@ def export(params: Params) -> dict:
     shard_dir = storage.shard_dir("finetune")
     require_split(shard_dir, read_dataset_info(shard_dir), "test")
     cfg = params.export
-    images = sample_images(shard_dir, cfg.num_images, meta["image_size"], meta["normalize"])
+    images = sample_images(shard_dir, cfg.num_images, meta["image_size"], eval_augment(meta))
     with torch.no_grad():
         reference = model(images)
     extra = {k: v for k, v in meta.items() if k != "model"}

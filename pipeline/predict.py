@@ -31,7 +31,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from pipeline.data.pixels import eight_bit
-from pipeline.data.transforms import eval_transform
+from pipeline.data.transforms import eval_augment, eval_transform
 from pipeline.model.io import ModelFileError, load_model, read_model_file
 from pipeline.registry import MODEL_URI, download_export  # imports MLflow only when it downloads
 from pipeline.utils import error_summary
@@ -118,7 +118,7 @@ class Predictor:
         meta = read_config(self.config_file)
         self.classes = meta["classes"]
         try:
-            self.transform = eval_transform(meta["image_size"], meta["normalize"])
+            self.transform = eval_transform(meta["image_size"], eval_augment(meta))
         except (TypeError, ValueError) as exc:
             raise ModelFileError(f"{self.config_file}: bad image_size or normalize ({error_summary(exc)}); "
                                  f"{REEXPORT}") from None

@@ -84,7 +84,8 @@ def model_meta(stage: str, recipe: TrainConfig, info: dict, run_name: str) -> di
     """What config.json keeps beside the weights: what evaluate, export and predict need to feed the model."""
     aug = resolve_augment(recipe.augment)
     return {"classes": info["classes"], "image_size": recipe.image_size,
-            "normalize": {k: aug[k] for k in ("mean", "std")}, "stage": stage, "ray_run": run_name}
+            "normalize": {k: aug[k] for k in ("mean", "std")}, "interpolation": aug["interpolation"],
+            "stage": stage, "ray_run": run_name}
 
 
 def stage_summary(result: TrainResult) -> dict:

@@ -12,7 +12,7 @@ from pipeline.config import DataConfig
 from pipeline.data import check_shard_files, make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 from pipeline.data.loader import MAX_PARCEL, parcel_steps
 from pipeline.data.tario import TarFormatError
-from tests.data_helpers import all_keys, make_imagefolder, tar_keys
+from tests.data_helpers import REPO, all_keys, make_imagefolder, tar_keys
 
 # The worker counts here are the point (3 or 5 loader processes on a 2-core machine): torch's advice to
 # use fewer is not a finding.
@@ -529,3 +529,29 @@ def test_loader_benchmark_runs_all_four_loaders(tmp_path):
     assert all(v > 0 for v in medians.values()), proc.stdout
     assert "encoding: raw vs source" in proc.stdout
     assert read_dataset_info(tmp_path / "shards-raw")["params"]["encoding"] == "raw"
+
+
+def test_the_resize_a_model_trained_with_is_the_one_it_is_evaluated_exported_and_served_with(digits_dir):
+    """config.json records ``<stage>.augment.interpolation`` beside mean / std, and evaluate, export and
+    predict (``eval_augment``) resize with it: a model trained and validated on nearest-resized images was
+    tested and served on bicubic ones. A config.json from before keeps the default."""
+    from pipeline.config import load_params
+    from pipeline.data.transforms import eval_augment, resolve_augment
+    from pipeline.training import model_meta
+
+    params = load_params(REPO / "params.yaml", {"finetune.augment.interpolation": "nearest"})
+    info = read_dataset_info(digits_dir)
+    meta = model_meta("finetune", params.finetune, info, "run")
+    assert meta["interpolation"] == "nearest"
+
+    def first_batch(augment):
+        loader = make_eval_loader(digits_dir, "val", batch_size=16, image_size=32, rank=0, world_size=1,
+                                  augment=augment)
+        return next(iter(loader))[0]
+
+    trained_on = first_batch({**meta["normalize"], "interpolation": "nearest"})
+    assert torch.equal(first_batch(eval_augment(meta)), trained_on)
+    before = {k: v for k, v in meta.items() if k != "interpolation"}
+    assert eval_augment(before) == meta["normalize"]
+    assert resolve_augment(eval_augment(before))["interpolation"] == "bicubic"
+    assert not torch.equal(first_batch(eval_augment(before)), trained_on)

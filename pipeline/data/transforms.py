@@ -105,6 +105,12 @@ def _tail(cfg: dict) -> list:
     return [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean=list(cfg["mean"]), std=list(cfg["std"]))]
 
 
+def eval_augment(meta: dict) -> dict:
+    """The eval preprocessing a model's config.json records: its mean / std and the resize its training and
+    validation used (models saved before ``interpolation`` was recorded: the default)."""
+    return {**meta["normalize"], **{k: meta[k] for k in ("interpolation",) if k in meta}}
+
+
 def eval_transform(image_size: int, augment: Optional[dict] = None) -> v2.Compose:
     """Reference per-sample eval pipeline (PIL or tensor in): resize short side, centre crop, normalise."""
     cfg = resolve_augment(augment)
