@@ -671,3 +671,25 @@ def test_the_logged_lr_is_the_schedules_base_rate_with_layer_decay():
     _, _, decayed = _steps(_model(), torch.device("cpu"), steps=1, layer_decay=0.5)
     rates = [g["lr"] for g in decayed.optimizer.param_groups]
     assert decayed.lr() == plain.lr() == max(rates) and min(rates) == pytest.approx(decayed.lr() / 8)
+
+
+def test_evaluation_batches_are_no_larger_than_the_micro_batches(digits_dir, tmp_path, monkeypatch):
+    """``max_worker_batch`` bounds the evaluation's forward too: the val batches are the train step's micro
+    batches, not the worker's whole share (with accumulation that was the run's largest allocation, and ran
+    out of memory in the check before the first step)."""
+    from pipeline.train import worker
+    from pipeline.train.context import LocalContext
+    from pipeline.train.loop_config import LoopRun
+
+    seen = []
+    real = worker.make_eval_loader
+
+    def recorded(*args, **kwargs):
+        return (seen.append(kwargs["batch_size"]), real(*args, **kwargs))[1]
+
+    monkeypatch.setattr(worker, "make_eval_loader", recorded)
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), max_worker_batch=3), shard_dir=str(digits_dir),
+                              steps_per_epoch=2)
+    worker.run_loop(cfg, LoopRun(init_state=model.state_dict()), LocalContext(str(tmp_path), use_gpu=False, keep=1))
+    assert seen == [2]  # 8 per worker, at most 3 at once: 4 micro batches of 2

@@ -30,7 +30,7 @@ from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
 from pipeline.train.context import TrainContext
 from pipeline.train.graphs import graph_free
 from pipeline.train.loop_config import LoopConfig, LoopRun
-from pipeline.train.optim import set_total_steps
+from pipeline.train.optim import accumulation, set_total_steps
 from pipeline.train.selection import Selection
 from pipeline.train.step import Stepper
 from pipeline.train.techniques import amp_dtype, autocast
@@ -132,7 +132,8 @@ def _loaders(cfg: LoopConfig, ctx: TrainContext, progress: Progress):
     train = make_train_loader(cfg.shard_dir, batch_size=cfg.per_worker_batch, steps_per_epoch=cfg.steps_per_epoch,
                               epoch=progress.epoch, last_epoch=_epochs(cfg, progress) - 1,  # a plan's, once made
                               start_batch=progress.batch_in_epoch, seed=cfg.seed, **common)
-    val = make_eval_loader(cfg.shard_dir, "val", batch_size=cfg.per_worker_batch, **common)
+    micro, _ = accumulation(cfg.per_worker_batch, cfg.max_worker_batch)  # what fits fits a forward alone too
+    val = make_eval_loader(cfg.shard_dir, "val", batch_size=micro, **common)
     return iter(train), val
 
 
