@@ -108,3 +108,27 @@ def test_a_warm_up_that_rounds_past_its_whole_epochs_is_refused_before_the_run(d
                                      "warm-up (pretrain.warmup_epochs=2.9999: 9 steps of 3 an epoch), which "
                                      "pretrain.epochs=3 never passes")
     assert prepare(4).loop.warmup_steps == 9
+
+
+def test_a_warm_up_as_long_as_the_run_is_said(digits_dir, capsys):
+    """Without a time budget a warm-up covering every epoch is allowed (a quick try), but the stage says that
+    the learning rate then never decays; one epoch shorter is quiet."""
+    from pathlib import Path
+
+    from pipeline.config import load_params
+    from pipeline.model import ViTConfig, VisionTransformer
+    from pipeline.train.driver import prepare_run
+
+    def warnings(epochs: int, warmup: float) -> list[str]:
+        params = load_params(Path(__file__).parents[1] / "params.yaml", overrides={
+            "pretrain.warmup_epochs": warmup, "pretrain.epochs": epochs, "ray.num_workers": 1})
+        model = VisionTransformer(ViTConfig(image_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2,
+                                            num_classes=10))
+        prepare_run("pretrain", params, params.pretrain, model, str(digits_dir))
+        return capsys.readouterr().err.splitlines()
+
+    assert warnings(2, 2) == ["[pretrain] warning: pretrain.warmup_epochs=2 covers all of pretrain.epochs=2: the "
+                              "learning rate rises to the end and never decays; lower pretrain.warmup_epochs for a "
+                              "real run"]
+    assert warnings(3, 5)[0].startswith("[pretrain] warning: pretrain.warmup_epochs=5 covers all of")
+    assert warnings(3, 2) == []

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,15 @@ def check_budget_plans(stage: str, recipe: TrainConfig, warmup_steps: int, steps
         raise ConfigError(problem)
 
 
+def warmup_note(stage: str, recipe: TrainConfig, warmup_steps: int, steps_per_epoch: int) -> str | None:
+    """A warm-up as long as the run (easy to get by shortening a run for a try) leaves no cosine decay: the
+    kept weights come from the highest learning rates. Allowed (a smoke test), but said."""
+    if recipe.time_budget_minutes is not None or warmup_steps < recipe.epochs * steps_per_epoch:
+        return None  # a time budget refuses it in the params check
+    return (f"{stage}.warmup_epochs={recipe.warmup_epochs:g} covers all of {stage}.epochs={recipe.epochs}: the "
+            f"learning rate rises to the end and never decays; lower {stage}.warmup_epochs for a real run")
+
+
 def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
                 shard_dir: str, logged: dict[str, str] | None = None) -> RunSpec:
     """Everything the ranks need, and the run name that identifies this exact run (and the params
@@ -111,6 +121,9 @@ def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTr
     steps = info["counts"]["train"] // recipe.global_batch_size
     warmup_steps = int(round(recipe.warmup_epochs * steps))
     check_budget_plans(stage, recipe, warmup_steps, steps)
+    note = warmup_note(stage, recipe, warmup_steps, steps)
+    if note:
+        print(f"[{stage}] warning: {note}", file=sys.stderr, flush=True)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     loop = LoopConfig.from_train(
         recipe, stage=stage, model=model.config.to_dict(), shard_dir=storage.worker_path(shard_dir),
