@@ -14,7 +14,8 @@ from pipeline.config import INIT_SOURCES, Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
 from pipeline.model import VisionTransformer, build_model, convert_state_dict, load_model, save_model
-from pipeline.model.io import read_model_file
+from pipeline.model.build import section_config
+from pipeline.model.io import ModelFileError, read_model_file
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_history
 from pipeline import storage
@@ -123,10 +124,12 @@ def load_finetune_start(params: Params, classes: list[str],
     pretrained_classes = None
     if ft.init is None:
         model, meta = load_model(pretrained)
+        model = as_configured(params, model, pretrained)
         pretrained_classes = meta.get("classes")
-    elif ft.init == "scratch":  # ablation: the same fine-tune without pretraining
+    elif ft.init == "scratch":  # ablation: the same fine-tune without pretraining, a fresh model at its geometry
         torch.manual_seed(ft.seed)
-        model = build_model(params.model, image_size=params.pretrain.image_size, num_classes=len(classes))
+        model = build_model(params.model, image_size=ft.image_size, patch_size=params.finetune_patch_size,
+                            num_classes=len(classes))
     else:
         model = _load_external(params, Path(ft.init))
     torch.manual_seed(ft.seed)
@@ -138,6 +141,30 @@ def load_finetune_start(params: Params, classes: list[str],
     model.set_input_size(image_size=ft.image_size, patch_size=params.finetune_patch_size,
                          mode=ft.interpolation.mode, antialias=ft.interpolation.antialias)
     return model
+
+
+ARCHITECTURE = ("embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "pool", "in_chans", "drop_rate",
+                "attn_drop_rate", "layer_norm_eps")  # what model.* must say of a model directory it starts from
+
+
+def as_configured(params: Params, model: VisionTransformer, source: Path) -> VisionTransformer:
+    """A model directory's network as params.yaml's ``model`` section describes it, which the run logs and
+    hashes: its architecture must be the section's (else one line naming both), and ``drop_path_rate``, a
+    training setting with no weights, is the section's."""
+    c = model.config
+    want = section_config(params.model, image_size=c.image_size, patch_size=c.patch_size,
+                          num_classes=c.num_classes)
+    differ = [k for k in ARCHITECTURE if getattr(c, k) != getattr(want, k)]
+    if differ:
+        raise ValueError(f"finetune.init: {source} is a model with "
+                         f"{', '.join(f'{k}={getattr(c, k)!r}' for k in differ)}, but params.yaml's model section "
+                         f"gives {', '.join(f'{k}={getattr(want, k)!r}' for k in differ)}: set model.* to match it "
+                         "(or, for models/pretrain, run the pretrain stage again: dvc repro)")
+    if c.drop_path_rate == want.drop_path_rate:
+        return model
+    moved = VisionTransformer(dataclasses.replace(c, drop_path_rate=want.drop_path_rate))
+    moved.load_state_dict(model.state_dict())
+    return moved
 
 
 def _load_external(params: Params, path: Path) -> VisionTransformer:
@@ -152,12 +179,13 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
         raise FileNotFoundError(f"finetune.init: {path} does not exist ({kinds})")
     redo = f"finetune.init must name {kinds}"
     if path.is_dir():
-        return load_model(path, redo=redo)[0]
+        return as_configured(params, load_model(path, redo=redo)[0], path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
         state = read_model_file(path, lambda p: load_file(str(p)), redo)
     else:
-        state = read_model_file(path, lambda p: torch.load(p, map_location="cpu", weights_only=True), redo)
+        state = read_model_file(path, lambda p: _load_pt(p, redo), redo)
+    state = _state_dict_of(state, path, redo)
     layout = f"is finetune.init_source={params.finetune.init_source!r} right? valid: {', '.join(INIT_SOURCES)}"
     try:
         if params.finetune.init_source != "pipeline":
@@ -191,6 +219,28 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
                          "file does not record num_heads)")
     model.load_state_dict(state)
     return model
+
+
+def _load_pt(path: Path, redo: str) -> object:
+    """A .pt file loaded safely (tensors and containers only); a training checkpoint is not one."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ModelFileError(f"{path} holds more than weights (a training checkpoint, such as a run's state.pt?), "
+                             f"which is not loaded: {redo}, e.g. the stage's model directory") from None
+
+
+def _state_dict_of(obj: object, path: Path, redo: str) -> dict:
+    """The weights in what a file holds: a state dict, or one under ``state_dict`` / ``model`` (timm's and
+    DeiT's checkpoints)."""
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"finetune.init: {path} holds a {type(obj).__name__}, not a state dict of tensors; {redo}")
+    return obj
 
 
 def finetune(params: Params) -> dict:

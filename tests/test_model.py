@@ -613,9 +613,62 @@ def test_finetune_start_refuses_a_weights_file_that_does_not_fit(tmp_path):
     assert not start("flexi.pt", no_embed_class=True).pos_embed[:, 0].any()  # timm's no_embed_class layout
     ours = tmp_path / "ours"  # a non-square grid comes as a model directory
     save_model(nano(image_size=(8, 32), num_classes=0, depth=2), ours)
-    start_dir = load_params(root / "params.yaml", overrides={"finetune.init": str(ours),
+    start_dir = load_params(root / "params.yaml", overrides={"finetune.init": str(ours), "model.depth": 2,
                                                                "finetune.image_size": 32, "finetune.patch_size": 4})
     assert load_finetune_start(start_dir, classes=list("0123456789")).config.grid_size == (8, 8)
+
+
+def test_finetune_start_from_a_model_directory_is_the_model_section_s(tmp_path):
+    """A model directory (models/pretrain, or one ``finetune.init`` names) must be the network params.yaml's
+    model section describes, which the run logs and hashes: another depth is one line naming both values;
+    ``drop_path_rate`` (no weights) is the section's, not the directory's (it was silently the directory's)."""
+    from pipeline.config import load_params
+    from pipeline.training import load_finetune_start
+
+    root = Path(__file__).resolve().parents[1]
+    save_model(nano(depth=2), tmp_path / "pre", extra={"classes": list("0123456789")})
+
+    def start(**overrides):
+        params = load_params(root / "params.yaml", overrides={"finetune.image_size": 16, **overrides})
+        return load_finetune_start(params, list("0123456789"), pretrained=tmp_path / "pre")
+
+    with pytest.raises(ValueError, match=rf"^finetune.init: {tmp_path / 'pre'} is a model with depth=2, but "
+                                         r"params.yaml's model section gives depth=4: set model.\* to match"):
+        start()
+    model = start(**{"model.depth": 2, "model.drop_path_rate": 0.3})
+    assert model.config.drop_path_rate == 0.3 and model.blocks[-1].drop_path.drop_prob == pytest.approx(0.3)
+    scratch = load_finetune_start(load_params(root / "params.yaml", overrides={
+        "finetune.init": "scratch", "finetune.image_size": 32, "finetune.patch_size": 8}), list("0123456789"))
+    fresh = build_vit("nano", patch_size=8, image_size=32, num_classes=10)
+    assert scratch.pos_embed.std().item() == pytest.approx(fresh.pos_embed.std().item(), rel=0.2)
+    assert scratch.patch_embed.proj.weight.shape == fresh.patch_embed.proj.weight.shape
+
+
+def test_finetune_init_files_that_hold_no_weights_are_one_line(tmp_path):
+    """A .pt holding a tensor or a list, or a training checkpoint (more than weights), is a ValueError naming
+    the file and what finetune.init wants (they were an AttributeError traceback, or "corrupt");
+    a state dict under ``state_dict`` or ``model`` (timm's, DeiT's checkpoints) is read."""
+    import numpy as np
+
+    from pipeline.config import load_params
+    from pipeline.training import load_finetune_start
+
+    root = Path(__file__).resolve().parents[1]
+
+    def start(name):
+        params = load_params(root / "params.yaml", overrides={"finetune.init": str(tmp_path / name)})
+        return load_finetune_start(params, list("0123456789"))
+
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+    with pytest.raises(ValueError, match=rf"^finetune.init: {tmp_path / 'tensor.pt'} holds a Tensor, not a state "
+                                         "dict of tensors; finetune.init must name a model directory"):
+        start("tensor.pt")
+    torch.save({"model": nano().state_dict(), "rng": np.random.get_state()}, tmp_path / "state.pt")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'state.pt'} holds more than weights \(a training "
+                                         "checkpoint"):
+        start("state.pt")
+    torch.save({"state_dict": nano().state_dict(), "epoch": 3}, tmp_path / "wrapped.pt")
+    assert start("wrapped.pt").config.depth == 4
 
 
 def test_finetune_keeps_the_head_only_for_the_pretrained_classes(tmp_path, capsys):
