@@ -65,6 +65,8 @@ class DataConfig:
     max_bad_fraction: float = 0.0
     encoding: str = "source"
     class_names: Optional[list[str]] = None
+    image_column: Optional[str] = None  # parquet only: null reads the huggingface metadata, else "image" / "label"
+    label_column: Optional[str] = None
     num_classes: int = 50
     samples_per_class: int = 60
     image_size: int = 32
@@ -368,6 +370,10 @@ def _check_data(key: str, d: DataConfig) -> None:
         _positive(f"{key}.{k}", getattr(d, k))
     if d.max_side is not None:
         _positive(f"{key}.max_side", d.max_side, nullable=True)
+    for k in ("image_column", "label_column"):
+        if getattr(d, k) is not None and d.source != "parquet":
+            raise ConfigError(f"{key}.{k}: {getattr(d, k)!r} would be ignored: only source 'parquet' reads it; "
+                              "set it to null")
 
 
 def _check_model(p: Params) -> None:

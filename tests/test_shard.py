@@ -459,7 +459,7 @@ def test_parquet_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.parquet"):
         shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=src / "imgs"))
     pq.write_table(pa.table({"img": [b"x"], "label": [0]}), tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match=r"no 'image' column; columns are \['img', 'label'\]"):
+    with pytest.raises(ValueError, match=r"has no 'image' column \(image_column: name the column\); columns are \['img', 'label'\]"):
         shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=tmp_path / "bad.parquet"))
     assert not (tmp_path / "o").exists()
 
@@ -663,3 +663,126 @@ def test_deep_grayscale_is_scaled_to_8_bits_and_float_images_are_skipped(tmp_pat
         pixels = torch.cat([img.flatten(1) for img in decoded.values()], 1).double() / 255
         np.testing.assert_allclose(info["pixel_stats"]["mean"], pixels.mean(1), atol=2e-6)
         np.testing.assert_allclose(info["pixel_stats"]["std"], pixels.std(1, correction=0), atol=2e-6)
+
+
+def test_imagefolder_layouts_that_would_mislabel_are_one_line(tmp_path):
+    """Split folders without train/ (`val/` + `test/`, `training/` + `validation/`) were read as classes,
+    each image labelled with its split; images straight in a split folder or the root were dropped in
+    silence; an empty class under `validation/` was named under `val/`; a repeated class name merged."""
+    root = make_imagefolder(tmp_path / "a", per_class=2, splits=["val", "test"])
+    with pytest.raises(ValueError, match=r"\['test', 'val'\] name a split but none is the train split"):
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root))
+    root = make_imagefolder(tmp_path / "b", per_class=2, splits=["train", "test"])
+    (root / "test" / "loose.png").write_bytes((root / "train/cat/001.png").read_bytes())
+    with pytest.raises(ValueError, match=rf"^{root / 'test'} holds 1 image\(s\) directly \(e.g. loose.png\), "
+                                         "outside any class directory; a split directory must hold"):
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root))
+    root = make_imagefolder(tmp_path / "c", per_class=2, splits=["train", "validation"])
+    (root / "validation" / "fox").mkdir()
+    with pytest.raises(ValueError, match=rf"class directory {root / 'validation' / 'fox'} is empty"):
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root))
+    root = make_imagefolder(tmp_path / "d", per_class=2)
+    with pytest.raises(ValueError, match=r"class_names names \['cat'\] more than once"):
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root, class_names=["cat", "cat", "eel"]))
+    (root / "stray.jpg").write_bytes((root / "cat/000.jpg").read_bytes())
+    with pytest.raises(ValueError, match=r"holds 1 image\(s\) directly .*the root must hold"):
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root))
+    assert not (tmp_path / "o").exists()
+
+
+def test_imagefolder_follows_links_and_keeps_any_file_name(tmp_path):
+    """Images in a folder linked into a class are read (as torchvision's ImageFolder does; a link back up
+    the tree is read once), and a file name that is not UTF-8 (an old zip's Latin-1) is kept in the
+    manifest escaped, where it stopped the run after every image was written."""
+    import pyarrow.parquet as pq
+
+    root = make_imagefolder(tmp_path / "src", per_class=3)
+    more = make_imagefolder(tmp_path / "more", classes=("cat",), per_class=2)
+    (root / "cat" / "batch2").symlink_to(more / "cat", target_is_directory=True)
+    (root / "cat" / "loop").symlink_to(root / "cat", target_is_directory=True)
+    latin1 = os.fsencode(root / "dog") + b"/caf\xe9.png"
+    with open(latin1, "wb") as f:
+        f.write((root / "dog/001.png").read_bytes())
+    info = shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=root, val_fraction=0, test_fraction=0))
+    assert info["class_counts"]["train"] == [5, 4, 3]
+    names = pq.read_table(tmp_path / "o/manifest.parquet").column("source_path").to_pylist()
+    assert "dog/caf\\xe9.png" in names and sum(n.startswith("cat/batch2/") for n in names) == 2
+
+
+def test_parquet_columns_from_the_huggingface_metadata(tmp_path):
+    """The image and label columns are the ones the huggingface metadata types Image / ClassLabel (beans:
+    `image`, `labels`; cifar10: `img`), or the ones image_column / label_column name; two ClassLabels
+    (cifar100's fine_label, coarse_label) are one line naming them. Before, only `image` / `label` worked."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    imgs = [{"bytes": img_bytes(rng, "PNG"), "path": f"{i}.png"} for i in range(12)]
+    features = {"img": {"_type": "Image"}, "fine_label": {"_type": "ClassLabel", "names": ["a", "b", "c"]},
+                "coarse_label": {"_type": "ClassLabel", "names": ["x", "y"]}}
+    table = pa.table({"img": imgs, "fine_label": [i % 3 for i in range(12)], "coarse_label": [i % 2 for i in range(12)]})
+    (tmp_path / "src").mkdir()
+    pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
+                   tmp_path / "src/train-00000.parquet")
+    with pytest.raises(ValueError, match=r"has no 'label' column \(label_column: its metadata types "
+                                         r"\['fine_label', 'coarse_label'\] as ClassLabel: name one\)"):
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=str(tmp_path / "src")))
+    info = shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=str(tmp_path / "src"),
+                                                    label_column="coarse_label"))
+    assert info["classes"] == ["x", "y"] and sum(info["counts"].values()) == 12
+    del features["coarse_label"]  # now one ClassLabel: found without being named
+    pq.write_table(table.drop(["coarse_label"]).replace_schema_metadata(
+        {"huggingface": json.dumps({"info": {"features": features}})}), tmp_path / "src/train-00000.parquet")
+    assert shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=str(tmp_path / "src")))["classes"] == \
+        ["a", "b", "c"]
+
+
+def test_parquet_problems_name_the_file_or_the_folder(tmp_path, monkeypatch):
+    """A damaged data page and unreadable huggingface metadata name the file (they were `error: Corrupt snappy
+    compressed data.` and a bare JSONDecodeError); a full $TMPDIR while the rows are spooled names $TMPDIR,
+    not the shards' device; only test/validation files, no train one, are refused rather than pooled."""
+    import pickle
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.cli import _known_failure
+    from pipeline.data import parquet_source
+
+    rng = np.random.default_rng(0)
+    table = pa.table({"image": [img_bytes(rng, "PNG", size=(64, 64)) for _ in range(40)], "label": [0, 1] * 20})
+    (tmp_path / "src").mkdir()
+    pq.write_table(table, tmp_path / "src/train-00000.parquet")
+    damaged = bytearray((tmp_path / "src/train-00000.parquet").read_bytes())
+    damaged[4:204] = bytes(200)  # the first page's header, after the magic bytes; the footer intact
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad/train-00000.parquet").write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'bad/train-00000.parquet'} is not a readable parquet file"):
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=str(tmp_path / "bad")))
+    pq.write_table(table.replace_schema_metadata({"huggingface": "{not json"}), tmp_path / "bad/train-00000.parquet")
+    with pytest.raises(ValueError, match=r"train-00000.parquet: its 'huggingface' schema metadata is not the JSON"):
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=str(tmp_path / "bad")))
+    (tmp_path / "bad/train-00000.parquet").rename(tmp_path / "bad/validation-00000.parquet")
+    with pytest.raises(ValueError, match=r"\['validation-00000.parquet'\] name a split but none is the train"):
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=str(tmp_path / "bad")))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(parquet_source.pickle, "dump", full)
+    with pytest.raises(OSError) as exc:
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=str(tmp_path / "src")))
+    line = _known_failure(exc.value)[0]
+    assert line.startswith("error: no space left in ") and "($TMPDIR), where the parquet rows wait" in line, line
+    monkeypatch.setattr(parquet_source.pickle, "dump", pickle.dump)
+    assert not (tmp_path / "o").exists()
+
+
+def test_column_keys_are_for_the_parquet_source_only():
+    from pipeline.config import ConfigError, load_params
+
+    with pytest.raises(ConfigError, match=r"data.finetune.label_column: 'labels' would be ignored: only source "
+                                          "'parquet' reads it"):
+        load_params(REPO / "params.yaml", {"data.finetune.label_column": "labels"})

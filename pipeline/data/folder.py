@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .records import SPLIT_DIRS, check_labels, check_split_names, records_from_splits
+from .records import SPLIT_DIRS, check_labels, check_split_names, check_unique, records_from_splits
 from .splits import SourceListing, carve_splits
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
@@ -18,17 +18,45 @@ LAYOUT = "root/<class>/<image> or root/{train,val,test}/<class>/<image>"
 
 
 def _images_under(d: Path) -> list[str]:
-    """Image files below ``d`` (recursive, like torchvision's ImageFolder), sorted, hidden skipped."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(d):
-        dirnames[:] = sorted(n for n in dirnames if not n.startswith("."))
+    """Image files below ``d`` (recursive and through links, like torchvision's ImageFolder; a folder
+    reached twice is read once), sorted, hidden skipped."""
+    found, seen = [], set()
+    for dirpath, dirnames, filenames in os.walk(d, followlinks=True):
+        seen.add(os.path.realpath(dirpath))
+        dirnames[:] = sorted(n for n in dirnames if not n.startswith(".")
+                             and os.path.realpath(os.path.join(dirpath, n)) not in seen)
         found += [os.path.join(dirpath, f) for f in filenames
                   if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTS]
     return sorted(found)
 
 
+def _classes_in(d: Path) -> dict[str, list[str]]:
+    """``{class: [files]}`` of the class directories in ``d``; an empty one is an error naming it."""
+    classes = {c: _images_under(d / c) for c in _subdirs(d)}
+    for c, files in classes.items():
+        if not files:
+            raise ValueError(f"class directory {d / c} is empty; expected image files with extensions "
+                             f"{sorted(IMAGE_EXTS)}")
+    return classes
+
+
+def as_text(path: str) -> str:
+    """A file name as valid UTF-8 for the manifest: bytes that are not (an old zip's Latin-1) as \\xNN."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _subdirs(d: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(d) if e.is_dir() and not e.name.startswith("."))
+
+
+def _check_no_loose_images(d: Path, holder: str) -> None:
+    """Images directly in ``d`` (the root, or a split directory) have no class: say so rather than drop them."""
+    loose = [e.name for e in os.scandir(d) if e.is_file() and not e.name.startswith(".")
+             and os.path.splitext(e.name)[1].lower() in IMAGE_EXTS]
+    if loose:
+        raise ValueError(f"{d} holds {len(loose)} image(s) directly (e.g. {sorted(loose)[0]}), outside any class "
+                         f"directory; {holder} must hold <class>/<image> ({LAYOUT}): move them into their class "
+                         "directories, or out of the root if they are unlabelled")
 
 
 def list_imagefolder(root: Path) -> dict[str, dict[str, list[str]]]:
@@ -42,11 +70,14 @@ def list_imagefolder(root: Path) -> dict[str, dict[str, list[str]]]:
         raise ValueError(f"imagefolder root {root} has no class directories; expected {LAYOUT}")
     as_splits = [SPLIT_DIRS.get(d.lower()) for d in top]
     check_split_names(top, as_splits, f"imagefolder root {root}")
+    _check_no_loose_images(root, "the root")
     if "train" in as_splits:
         if len(set(as_splits)) != len(as_splits):
             raise ValueError(f"{root} has two directories for the same split: {top}")
-        return {s: {c: _images_under(root / d / c) for c in _subdirs(root / d)} for s, d in zip(as_splits, top)}
-    return {"": {c: _images_under(root / c) for c in top}}
+        for d in top:
+            _check_no_loose_images(root / d, "a split directory")
+        return {s: _classes_in(root / d) for s, d in zip(as_splits, top)}
+    return {"": _classes_in(root)}
 
 
 def imagefolder_listing(*, root, seed, val_fraction, test_fraction, class_names, **_) -> SourceListing:
@@ -59,14 +90,9 @@ def imagefolder_listing(*, root, seed, val_fraction, test_fraction, class_names,
     if not found:  # split directories with no class directories in them
         raise ValueError(f"imagefolder root {root}: no class directories under {sorted(layout)} "
                          f"(its split directories); expected {LAYOUT}")
-    for split, per_class in layout.items():
-        for c, files in per_class.items():
-            if not files:
-                where = root / split / c if split else root / c
-                raise ValueError(f"class directory {where} is empty; expected image files with "
-                                 f"extensions {sorted(IMAGE_EXTS)}")
     if class_names is not None:
         classes = [str(c) for c in class_names]
+        check_unique(classes, "class_names")
         unknown = sorted(set(found) - set(classes))
         if unknown:
             raise ValueError(f"class directories {unknown} under {root} are not in class_names {classes}")
@@ -85,6 +111,6 @@ def imagefolder_listing(*, root, seed, val_fraction, test_fraction, class_names,
     check_labels(labels, classes, f"imagefolder {root}")
     splits = carve_splits(labels, seed, val_fraction, test_fraction, given=given or None)
     records = records_from_splits(
-        splits, labels, lambda i: Path(paths[i]).relative_to(root).as_posix(),
+        splits, labels, lambda i: as_text(Path(paths[i]).relative_to(root).as_posix()),
         lambda i: (lambda: Path(paths[i]).read_bytes()))
     return SourceListing(classes, int(labels.size), records, sorted(given))

@@ -1,4 +1,8 @@
-"""``parquet`` source: Hugging Face-style files with an ``image`` and an integer ``label`` column.
+"""``parquet`` source: Hugging Face-style files with an image column and an integer label column.
+
+The columns are the ones ``image_column`` / ``label_column`` name, else the ones the ``huggingface``
+schema metadata types ``Image`` / ``ClassLabel`` (``img``, ``labels``, ``fine_label`` …), else ``image``
+and ``label``.
 
 Read with ``iter_batches`` twice: labels first, to carve splits; then images, which are written in
 each split's seeded shuffled order, not the files' (Hugging Face's ``imagefolder`` builder stores a
@@ -8,10 +12,12 @@ by their place in it (about ``SPOOL_BYTES`` each), and each bucket is read back 
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import pickle
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -47,28 +53,62 @@ def _split_of_file(path: Path, root: Path) -> Optional[str]:
     return None
 
 
-def hf_class_names(schema: pa.Schema) -> Optional[list[str]]:
-    """Class names from the ``huggingface`` schema metadata (features.label.names), if present."""
+class SpoolFull(OSError):
+    """``$TMPDIR`` filled up while the rows were spooled (not the shards' device)."""
+
+
+def hf_features(schema: pa.Schema, path: Path) -> dict:
+    """The ``huggingface`` schema metadata's features (``{}`` without it)."""
     meta = (schema.metadata or {}).get(b"huggingface")
     if not meta:
-        return None
-    doc = json.loads(meta)
-    features = doc.get("info", doc).get("features", {})
-    names = features.get("label", {}).get("names")
+        return {}
+    try:
+        doc = json.loads(meta)
+        features = doc.get("info", doc).get("features", {})
+    except (ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: its 'huggingface' schema metadata is not the JSON Hugging Face writes "
+                         f"({exc})") from None
+    return features if isinstance(features, dict) else {}
+
+
+def pick_columns(schema: pa.Schema, path: Path, image_column: Optional[str] = None,
+                 label_column: Optional[str] = None) -> tuple[str, str]:
+    """The image and label columns (see the module docstring), checked."""
+    features = hf_features(schema, path)
+
+    def pick(given: Optional[str], key: str, hf_type: str, default: str) -> str:
+        typed = [n for n, f in features.items() if isinstance(f, dict) and f.get("_type") == hf_type]
+        name = given or (typed[0] if len(typed) == 1 else default)
+        if name not in schema.names:
+            hint = (f"its metadata types {typed} as {hf_type}: name one" if len(typed) > 1
+                    else f"name the column")
+            raise ValueError(f"{path} has no {name!r} column ({key}: {hint}); columns are {schema.names}")
+        return name
+
+    image = pick(image_column, "image_column", "Image", "image")
+    label = pick(label_column, "label_column", "ClassLabel", "label")
+    t = schema.field(image).type
+    if not (pa.types.is_binary(t) or pa.types.is_large_binary(t)
+            or (pa.types.is_struct(t) and t.get_field_index("bytes") >= 0)):
+        raise ValueError(f"{path}: image column {image!r} has type {t}; expected binary or struct<bytes, path>")
+    if not pa.types.is_integer(schema.field(label).type):
+        raise ValueError(f"{path}: label column {label!r} has type {schema.field(label).type}; expected an integer")
+    return image, label
+
+
+def hf_class_names(schema: pa.Schema, path: Path, label: str) -> Optional[list[str]]:
+    """Class names from the ``huggingface`` schema metadata (the label feature's ``names``), if present."""
+    names = hf_features(schema, path).get(label, {}).get("names")
     return [str(n) for n in names] if names else None
 
 
-def _check_schema(schema: pa.Schema, path: Path) -> None:
-    for col in ("image", "label"):
-        if col not in schema.names:
-            raise ValueError(f"{path} has no {col!r} column; columns are {schema.names}")
-    t = schema.field("image").type
-    ok = pa.types.is_binary(t) or pa.types.is_large_binary(t) or (
-        pa.types.is_struct(t) and t.get_field_index("bytes") >= 0)
-    if not ok:
-        raise ValueError(f"{path}: 'image' column has type {t}; expected binary or struct<bytes, path>")
-    if not pa.types.is_integer(schema.field("label").type):
-        raise ValueError(f"{path}: 'label' column has type {schema.field('label').type}; expected an integer")
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """A damaged file (a bad page, a truncated footer) is an error naming it."""
+    try:
+        yield
+    except (pa.ArrowException, OSError) as exn:
+        raise ValueError(f"{path} is not a readable parquet file: {exn}") from exn
 
 
 def _payload(value, path: Path, row: int) -> tuple[bytes | Path, str]:
@@ -93,14 +133,26 @@ def _load(payload: bytes | Path):
     return payload.read_bytes if isinstance(payload, Path) else (lambda: payload)
 
 
-def _rows(files: list[Path]) -> Iterator[tuple[bytes | Path, str, int]]:
+def _rows(files: list[Path], columns: list[str]) -> Iterator[tuple[bytes | Path, str, int]]:
     """Every row of the files, in file order: (image payload, its name, label)."""
     for f in files:
         row = 0
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=["image", "label"]):
+        for batch in _batches(f, columns, BATCH_ROWS):
             for img, lab in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
                 yield (*_payload(img, f, row), int(lab))
                 row += 1
+
+
+def _batches(f: Path, columns: list[str], rows: int) -> Iterator[pa.RecordBatch]:
+    """``columns`` of ``f`` in record batches; reading errors name the file (a row's own do not pass here)."""
+    with _reading(f):
+        batches = pq.ParquetFile(f).iter_batches(batch_size=rows, columns=columns)
+    while True:
+        with _reading(f):
+            batch = next(batches, None)
+        if batch is None:
+            return
+        yield batch
 
 
 def _read_spool(path: Path) -> list[tuple]:
@@ -113,7 +165,8 @@ def _read_spool(path: Path) -> list[tuple]:
                 return entries
 
 
-def ordered_records(files: list[Path], order: np.ndarray, split_of: np.ndarray, total_bytes: int) -> Iterator[Record]:
+def ordered_records(files: list[Path], columns: list[str], order: np.ndarray, split_of: np.ndarray,
+                    total_bytes: int) -> Iterator[Record]:
     """The rows ``order`` lists (indices in file order, each split's together), in that order, with
     about ``SPOOL_BYTES`` of images in memory (see the module docstring)."""
     if not order.size:
@@ -125,10 +178,10 @@ def ordered_records(files: list[Path], order: np.ndarray, split_of: np.ndarray, 
         paths = [Path(tmp) / f"{b:04d}.pkl" for b in range(buckets)]
         spools = [open(p, "wb") for p in paths]
         try:
-            for i, (payload, name, label) in enumerate(_rows(files)):
+            for i, (payload, name, label) in enumerate(_rows(files, columns)):
                 if place[i] >= 0:
                     at = int(place[i])
-                    pickle.dump((at, payload, name, label), spools[at * buckets // order.size], protocol=5)
+                    _spool((at, payload, name, label), spools[at * buckets // order.size], total_bytes)
         finally:
             for spool in spools:
                 spool.close()
@@ -139,7 +192,19 @@ def ordered_records(files: list[Path], order: np.ndarray, split_of: np.ndarray, 
                 yield Record(SPLITS[split_of[order[at]]], label, name, _load(payload))
 
 
-def parquet_listing(*, root, seed, val_fraction, test_fraction, class_names, **_) -> SourceListing:
+def _spool(entry: tuple, spool, total_bytes: int) -> None:
+    try:
+        pickle.dump(entry, spool, protocol=5)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise SpoolFull(exc.errno, f"no space left in {Path(spool.name).parent.parent} ($TMPDIR), where the parquet "
+                        f"rows wait in their shuffled order (it needs about the images' size, {total_bytes / 1e9:.1f} "
+                        f"GB): free space there, or point TMPDIR at a larger disk, and re-run") from exc
+
+
+def parquet_listing(*, root, seed, val_fraction, test_fraction, class_names, image_column=None, label_column=None,
+                    **_) -> SourceListing:
     """Labels first (cheap), then a lazy stream of rows routed to their split."""
     if root is None:
         raise ValueError("source 'parquet' needs root: a .parquet file or a directory of them")
@@ -150,18 +215,20 @@ def parquet_listing(*, root, seed, val_fraction, test_fraction, class_names, **_
     check_split_names([str(f.relative_to(root)) if f != root else f.name for f in files], file_splits,
                       f"parquet root {root}")
     use_given = "train" in file_splits
-    offset = 0
+    offset, columns = 0, None
     for f, split in zip(files, file_splits):
-        try:
+        with _reading(f):
             pf = pq.ParquetFile(f)
-        except (pa.ArrowInvalid, OSError) as exn:
-            raise ValueError(f"{f} is not a readable parquet file: {exn}") from exn
-        _check_schema(pf.schema_arrow, f)
-        names = names or hf_class_names(pf.schema_arrow)
-        for batch in pf.iter_batches(batch_size=65536, columns=["label"]):
+        picked = list(pick_columns(pf.schema_arrow, f, image_column, label_column))
+        if columns and picked != columns:
+            raise ValueError(f"{f}: its image and label columns are {picked}, {files[0]}'s {columns}: name them "
+                             "with image_column / label_column")
+        columns = picked
+        names = names or hf_class_names(pf.schema_arrow, f, columns[1])
+        for batch in _batches(f, columns[1:], 65536):
             col = batch.column(0)
             if col.null_count:
-                raise ValueError(f"{f}: 'label' column has null values")
+                raise ValueError(f"{f}: label column {columns[1]!r} has null values")
             labels.append(col.to_numpy())
         n = pf.metadata.num_rows
         total_bytes += sum(pf.metadata.row_group(g).total_byte_size for g in range(pf.metadata.num_row_groups))
@@ -180,5 +247,5 @@ def parquet_listing(*, root, seed, val_fraction, test_fraction, class_names, **_
     splits = carve_splits(labels, seed, val_fraction, test_fraction, given=given_idx)
     split_of = split_of_index(splits, labels.size)
     order = np.concatenate([splits[s] for s in SPLITS])  # each split in carve_splits' seeded shuffled order
-    records = ordered_records(files, order, split_of, total_bytes)
+    records = ordered_records(files, columns, order, split_of, total_bytes)
     return SourceListing(classes, int(labels.size), records, sorted(given))

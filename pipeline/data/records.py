@@ -18,11 +18,16 @@ SPLIT_DIRS = {"train": "train", "val": "val", "valid": "val", "validation": "val
 def check_split_names(names: list[str], splits: list, where: str) -> None:
     """Beside a ``train`` directory or file, every other must name a split too: else one unknown name
     (``holdout/``) would turn the split directories into classes, or pool the given splits and carve
-    them anew."""
+    them anew. And split names without a train one (``val/`` + ``test/``) are refused, not read as classes."""
     if "train" in splits and not all(splits):
         other = [n for n, s in zip(names, splits) if not s]
         raise ValueError(f"{where}: {other} beside the split(s) {sorted({s for s in splits if s})} name no split "
                          f"(split names: {', '.join(SPLIT_DIRS)}); rename or move them")
+    if any(splits) and "train" not in splits:  # read as classes (or pooled), every label would be its split
+        named = [n for n, s in zip(names, splits) if s]
+        raise ValueError(f"{where}: {named} name a split but none is the train split (split names: "
+                         f"{', '.join(SPLIT_DIRS)}); add the train one beside them, or rename them if they are "
+                         "classes")
 
 
 def resolve_classes(class_names: Optional[Sequence[str]], default: Sequence[str], where: str) -> list[str]:
@@ -32,9 +37,15 @@ def resolve_classes(class_names: Optional[Sequence[str]], default: Sequence[str]
     names = [str(c) for c in class_names]
     if len(names) != len(default):
         raise ValueError(f"class_names has {len(names)} names but {where} has {len(default)} classes")
-    if len(set(names)) != len(names):
-        raise ValueError(f"class_names contains duplicates: {names}")
+    check_unique(names, "class_names")
     return names
+
+
+def check_unique(names: Sequence[str], key: str) -> None:
+    """Two classes under one name would merge: refused, naming the repeated ones."""
+    repeated = sorted({n for n in names if list(names).count(n) > 1})
+    if repeated:
+        raise ValueError(f"{key} names {repeated} more than once: {list(names)}")
 
 
 def check_labels(labels: np.ndarray, classes: Sequence[str], where: str) -> None:

@@ -29,6 +29,7 @@ from pipeline.outputs import StagedOutputs
 from pipeline.utils import apply_umask
 
 from .codec import decode, encode_ppm
+from .parquet_source import SpoolFull
 from .pixels import BadImage, eight_bit
 from .sources import SOURCES, list_source
 from .splits import EMPTY_SPLIT_EFFECT, SPLITS, Record, SourceListing, check_fraction, check_fractions, why_empty
@@ -292,6 +293,7 @@ def shard_dataset(out_dir, spec: DataConfig) -> dict:
         apply_umask(tmp)
         listing = list_source(spec.source, root=spec.root, seed=spec.seed, val_fraction=spec.val_fraction,
                           test_fraction=spec.test_fraction, class_names=spec.class_names,
+                          image_column=spec.image_column, label_column=spec.label_column,
                           num_classes=spec.num_classes, samples_per_class=spec.samples_per_class,
                           image_size=spec.image_size)
         written = _write_all(tmp, listing, maxcount=spec.maxcount, maxsize=spec.maxsize, max_side=spec.max_side,
@@ -316,7 +318,7 @@ def shard_dataset(out_dir, spec: DataConfig) -> dict:
         _check_replaceable(out)
         staged.publish()
     except OSError as exc:
-        if exc.errno in DISK_FULL:
+        if exc.errno in DISK_FULL and not isinstance(exc, SpoolFull):  # the spool's says where it is
             raise OSError(exc.errno, f"no space left on the device of {out.parent} while writing the shards "
                           f"({exc.strerror}); the partial output was removed and {out} is as before: free "
                           f"space and re-run") from exc
