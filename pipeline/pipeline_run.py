@@ -222,6 +222,19 @@ def stage_results(stage: str) -> dict[str, float]:
     return out
 
 
+def failed_results(stage: str, run) -> dict[str, float]:
+    """What a failed export still tells (its run has each format's parity numbers, no metrics file):
+    ``export.passed`` 0 and the numbers, keyed as :func:`stage_results` keys them."""
+    if stage != "export" or run is None:
+        return {}
+    out = {"export.passed": 0.0}
+    for name, value in run.data.metrics.items():
+        fmt, _, kind = name.partition("_")
+        if kind in ("max_abs_diff", "top1_agreement"):
+            out[f"export.{fmt}.{kind}"] = float(value)
+    return out
+
+
 def _result_keys(stage: str, keys) -> set[str]:
     """Which of the pipeline run's metric names ``stage`` logs (as :func:`stage_results` keys them)."""
     prefixes = ("test_", "macro_", "top1_at_") if stage == "evaluate" else (f"{stage}.",)
@@ -267,13 +280,14 @@ def _tag_device(client, parent: str, stage: str, run) -> None:
         client.set_tag(parent, f"{stage}.device", device)
 
 
-def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished: str) -> None:
+def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished: str, failed: bool = False) -> None:
     """Every other stage that has not run under this pipeline -- DVC found it up to date, or it is still to
     run -- gets its results, producing run and shards from its outputs, tagged reused; a stage that does
-    run later replaces them (:func:`stage_finished`). With no metrics file there is nothing to fill in."""
+    run later replaces them (:func:`stage_finished`). With no metrics file there is nothing to fill in.
+    After a failed stage only those before it: the ones after will not run, and their files are older."""
     ran = {finished} | {r.data.tags.get("stage") for r in client.search_runs(
         [experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'stage'", max_results=100)}
-    for stage in STAGES:
+    for stage in STAGES[:STAGES.index(finished)] if failed and finished in STAGES else STAGES:
         results = {} if stage in ran else stage_results(stage)
         if not results:
             continue
@@ -291,21 +305,25 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished
 
 
 def stage_finished(client, parent: str, stage: str, run_id: str | None, start_ms: int, status: str) -> None:
-    """Onto the parent: the stage's wall time and (if it succeeded) results; the parent ends now. What was
-    filled in for it before it ran (reused) goes: its other numbers become NaN, a failed export's version."""
+    """Onto the parent: the stage's wall time and (if it succeeded) results, or a failed export's (passed 0,
+    its parity numbers); the parent ends now. What was filled in for it before it ran (reused) goes: its
+    other numbers become NaN, a failed export's version."""
     end = now_ms()
     metrics = {f"{stage}.wall_s": (end - start_ms) / 1000}
+    run = client.get_run(run_id) if run_id else None
     if status == "FINISHED":
         metrics.update(stage_results(stage))
+    elif status == "FAILED":
+        metrics.update(failed_results(stage, run))
     previous = client.get_run(parent).data
     if previous.tags.get(f"{stage}.reused") == "true":
         metrics.update(dict.fromkeys(_result_keys(stage, previous.metrics) - metrics.keys(), float("nan")))
         if stage == "export" and status != "FINISHED" and REGISTERED_MODEL_TAG in previous.tags:
             client.delete_tag(parent, REGISTERED_MODEL_TAG)
     log_results(client, parent, metrics)
-    if run_id:
+    if run is not None:
         client.set_tag(parent, f"{stage}.run_id", run_id)
-        _tag_device(client, parent, stage, client.get_run(run_id))
+        _tag_device(client, parent, stage, run)
     client.set_tag(parent, f"{stage}.reused", "false")
     client.set_tag(parent, f"{stage}.status", status)
     client.set_terminated(parent, status, end_time=end)

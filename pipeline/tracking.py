@@ -214,8 +214,8 @@ def _finish_parent(client, experiment_id: str, parent: str, pid: str, stage: str
                    start_ms: int, status: str) -> None:
     """The stage's results and wall time onto the pipeline run; never turns a stage's outcome around."""
     try:
-        if status == "FINISHED":
-            pipeline_run.backfill_skipped(client, experiment_id, parent, pid, stage)
+        if status != "KILLED":  # a failed stage's pipeline run still shows the stages DVC reused before it
+            pipeline_run.backfill_skipped(client, experiment_id, parent, pid, stage, failed=status == "FAILED")
         pipeline_run.stage_finished(client, parent, stage, run_id, start_ms, status)
         if status == "FINISHED":
             print(f"[{stage}] MLflow runs: {pipeline_run.ui_link(client.tracking_uri, experiment_id)}", flush=True)

@@ -3,6 +3,7 @@ sqlite store in a temp directory, with real digits shards and the metrics files 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -316,7 +317,8 @@ def test_stages_dvc_skips_after_the_one_that_runs_are_filled_in_with_their_shard
 def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir):
     """A full `dvc repro`: when finetune ends, evaluate and export (still to run) are filled in from their
     previous outputs; when they then run, their own results replace those, and numbers they no longer
-    log (another resolution, a failed export's parity, its registered version) do not stay."""
+    log (another resolution, a failed export's parity, its registered version) do not stay: a failed export
+    is export.passed 0."""
     params = load_params("params.yaml")
     (workdir / "metrics/evaluate.json").write_text(json.dumps({"top1": 0.25, "resolution_sweep": {"24": 0.2}}))
     (workdir / "metrics/export.json").write_text(json.dumps(EXPORT_OK))
@@ -333,7 +335,7 @@ def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir):
     _, _, (parent,) = _client_and_parent(workdir)
     m, t = parent.data.metrics, parent.data.tags
     assert m["test_top1"] == 0.5 and m["top1_at_32px"] == 0.5 and t["evaluate.reused"] == "false"
-    assert m["top1_at_24px"] != m["top1_at_24px"] and m["export.passed"] != m["export.passed"]  # NaN
+    assert m["top1_at_24px"] != m["top1_at_24px"] and m["export.passed"] == 0.0  # NaN; failed
     assert m["export.onnx.max_abs_diff"] != m["export.onnx.max_abs_diff"] and m["finetune.val_top1"] == 0.75
     assert t["export.reused"] == "false" and t["export.status"] == "FAILED" and "registered_model" not in t
 
@@ -438,3 +440,34 @@ def test_a_finished_training_run_stays_under_its_pipeline_and_an_unfinished_one_
     third = launch("failing", fail=True)
     assert launch("retry") == third != second  # the FAILED one resumes, moved to the pipeline that runs it
     assert client.get_run(third).info.status == "FINISHED"
+
+
+def test_a_failed_pipeline_run_keeps_what_it_reused_and_a_failed_export_its_numbers(workdir):
+    """A pipeline run whose export fails its parity check has `export.passed` 0 and each format's numbers
+    (`export.passed` could only ever be 1) and the numbers of the stages DVC reused before it; a failed
+    fine-tune does not take evaluate's older numbers as this pipeline's."""
+    import mlflow
+
+    params = load_params("params.yaml")
+    (workdir / "metrics/finetune.json").write_text(json.dumps({"val_top1": 0.75}))
+    (workdir / "metrics/evaluate.json").write_text(json.dumps({"top1": 0.5}))
+    with pytest.raises(ValueError):
+        with stage_run("export", params):
+            mlflow.log_metrics({"onnx_max_abs_diff": 0.5, "onnx_top1_agreement": 0.9, "torchscript_max_abs_diff": 0.0})
+            raise ValueError("export parity check failed")
+    client, exp, (parent,) = _client_and_parent(workdir)
+    run = client.get_run(parent.info.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["export.status"] == "FAILED"
+    assert {k: v for k, v in run.data.metrics.items() if not k.endswith("wall_s")} == {
+        "export.passed": 0.0, "export.onnx.max_abs_diff": 0.5, "export.onnx.top1_agreement": 0.9,
+        "export.torchscript.max_abs_diff": 0.0, "finetune.val_top1": 0.75, "test_top1": 0.5}
+
+    os.environ["DVC_EXP_NAME"] = "other"  # another pipeline run: the fine-tune fails there
+    try:
+        _stage("finetune", params, fail=True)
+    except RuntimeError:
+        pass
+    finally:
+        del os.environ["DVC_EXP_NAME"]
+    (other,) = [p for p in _client_and_parent(workdir)[2] if p.info.run_name == "other"]
+    assert "test_top1" not in client.get_run(other.info.run_id).data.metrics
