@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             read_dataset_info(shard_dir)  # a missing dataset.json fails here, before any training
         if args.out:  # its folder now, not after the training (the report would be lost then)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-    except (ConfigError, OSError) as exc:
+    except (ConfigError, OSError, ValueError) as exc:  # a damaged dataset.json too
         return fail(exc)
     deadline = None if args.max_minutes is None else STARTED + 60 * args.max_minutes
     print(f"[tta] {device_name(device)}; checkpoints in {args.workdir}", flush=True)

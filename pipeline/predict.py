@@ -32,9 +32,10 @@ from PIL import Image, UnidentifiedImageError
 
 from pipeline.data.pixels import eight_bit
 from pipeline.data.transforms import eval_augment, eval_transform
+from pipeline.metrics import predicted_class
 from pipeline.model.io import ModelFileError, load_model, read_model_file
 from pipeline.registry import MODEL_URI, download_export  # imports MLflow only when it downloads
-from pipeline.utils import error_summary
+from pipeline.utils import error_summary, positive_int
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"}
 MODEL_FILES = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "safetensors": "model.safetensors"}
@@ -147,20 +148,9 @@ class Predictor:
         if logits.shape[-1] != len(self.classes):  # else a class index past the list, or a wrong name
             raise ModelFileError(f"{self.config_file}: names {len(self.classes)} classes, {self.model_file} "
                                  f"scores {logits.shape[-1]}; {REEXPORT}")
-        probs = logits.softmax(-1)
-        conf, idx = probs.max(-1)
+        idx = predicted_class(logits)  # evaluate's rule: softmax can tie logits that differ
+        conf = logits.softmax(-1).gather(-1, idx[:, None])[:, 0]
         return idx.numpy(), conf.numpy()
-
-
-def positive_int(text: str) -> int:
-    """argparse type for sizes: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid: must be an integer >= 1")
-    return value
 
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:

@@ -1,6 +1,7 @@
 """Small helpers shared by the stages: atomic writes, output modes and output locations."""
 from __future__ import annotations
 
+import argparse
 import atexit
 import csv
 import gc
@@ -92,3 +93,14 @@ def csv_text(header: list[str], rows) -> str:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type for sizes: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid: must be an integer >= 1")
+    return value

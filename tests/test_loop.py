@@ -512,6 +512,36 @@ def test_input_scaling_reports_each_worker_count(digits_dir):
     bad = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--input-scaling", "1,-2")
     assert bad.returncode == 2 and "'1,-2': comma-separated worker counts >= 0" in bad.stderr
     assert "Traceback" not in bad.stderr
+    for flag in ("--steps", "--rounds", "--profile-steps"):  # they were a ZeroDivisionError / KeyError
+        zero = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, flag, "0")
+        assert zero.returncode == 2 and "'0' is not valid: must be an integer >= 1" in zero.stderr, zero.stderr
+    (tmp_path := digits_dir.parent / "damaged").mkdir(exist_ok=True)
+    (tmp_path / "dataset.json").write_text("{")
+    damaged = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", tmp_path)
+    assert damaged.returncode == 2 and damaged.stderr.startswith("error: ") and damaged.stderr.count("\n") == 1
+    assert "dataset.json: not valid JSON" in damaged.stderr
+
+
+def test_mfu_counts_no_recomputation_and_compare_mode_leaves_the_step_graph(digits_dir):
+    """The FLOPs behind MFU are the step's without grad_checkpointing's second forward (which made them 4/3
+    too many: that is HFU); a --compare-mode twin in a mode that captures CUDA graphs itself is not put
+    inside the recipe's whole-step graph (the combination the stages refuse)."""
+    import dataclasses
+
+    from benchmarks import train_throughput as tp
+
+    model = _model()
+    loop = dataclasses.replace(_cfg(model.config.to_dict()), cuda_graph=True, grad_checkpointing=True)
+    stepper = Stepper(copy.deepcopy(model), loop, torch.device("cpu"))
+    x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
+    plain = Stepper(copy.deepcopy(model), dataclasses.replace(loop, cuda_graph=False, grad_checkpointing=False),
+                    torch.device("cpu"))
+    eager = tp.twin(stepper, loop, compile=False, cuda_graph=False, grad_checkpointing=False)
+    assert tp.flops_per_image(eager, x, y) == tp.flops_per_image(plain, x, y)
+    assert tp.flops_per_image(tp.twin(stepper, loop, compile=False, cuda_graph=False), x, y) > \
+        tp.flops_per_image(plain, x, y)  # what was counted before
+    assert not tp.mode_twin(stepper, loop, "reduce-overhead").cfg.cuda_graph
+    assert tp.mode_twin(stepper, loop, "default").cfg.cuda_graph
 
 
 def test_a_resumed_launch_draws_drop_path_as_the_whole_run(digits_dir, tmp_path):

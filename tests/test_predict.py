@@ -187,3 +187,20 @@ def test_deep_images_are_the_pixels_training_decodes(export_dir, tmp_path, capsy
     assert rc == 1 and captured.out.startswith(f"{deep}\t"), captured
     assert captured.err.splitlines()[0] == (f"error: {floats}: not a readable image (BadImage: 32-bit float pixels "
                                             f"(PIL mode F) have no 8-bit scale; store the image as 8- or 16-bit)")
+
+
+def test_the_class_named_is_evaluate_s_argmax_of_the_logits(export_dir):
+    """Two logits that differ can have the same float32 softmax; predict took the first largest probability,
+    evaluate (and the README's rule) the argmax of the logits: the same image got two classes."""
+    from pipeline.metrics import predicted_class
+    from pipeline.predict import Predictor
+
+    predictor = Predictor(export_dir, "safetensors")
+    n = len(predictor.classes)
+    logits = torch.full((1, n), -1.0)
+    logits[0, :2] = torch.tensor([0.01, 0.0100000007])
+    assert logits.softmax(-1)[0, 0] == logits.softmax(-1)[0, 1]  # tied in probability, not in logits
+    predictor._run = lambda images: logits
+    idx, conf = predictor(torch.zeros(1))
+    assert idx.tolist() == predicted_class(logits).tolist() == [1]
+    assert conf[0] == pytest.approx(logits.softmax(-1)[0, 1].item())

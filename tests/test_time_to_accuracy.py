@@ -94,7 +94,11 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
     recipe = tmp_path / "bad-recipe.yaml"
     recipe.write_text("pretrain:\n  augment: {auto_augment: autoaugment}\n")
     bad_value = run_as_on_gpu_box(SCRIPT, "--recipe", recipe, "--shards", digits_dir, "--workdir", tmp_path / "work")
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged/dataset.json").write_text("{")
+    damaged = run_as_on_gpu_box(SCRIPT, "--shards", tmp_path / "damaged", "--workdir", tmp_path / "work")
     for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope"),
+                        (damaged, "dataset.json: not valid JSON"),
                         (no_gpu, "ray.use_gpu: true"),
                         (bad_value, "pretrain.augment.auto_augment='autoaugment'; valid: ")):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
