@@ -31,7 +31,10 @@ backend=${MLFLOW_BACKEND_STORE_URI:-sqlite:///$root/mlflow.db}
 artifacts=${MLFLOW_ARTIFACTS_DESTINATION:-$root/mlartifacts}
 case $artifacts in *://*) ;; *) mkdir -p "$artifacts"; artifacts=$(cd "$artifacts" && pwd) ;; esac
 
-args=(--backend-store-uri "$backend" --artifacts-destination "$artifacts" --serve-artifacts
+# The store's URI (a database password in it) goes by the environment, which `mlflow server` reads, not on
+# the long-running server's command line, which every user of the machine can read with ps.
+export MLFLOW_BACKEND_STORE_URI=$backend
+args=(--artifacts-destination "$artifacts" --serve-artifacts
       --host "$host" --port "$port" --workers "${MLFLOW_WORKERS:-2}")
 [[ -n ${MLFLOW_ALLOWED_HOSTS:-} ]] && args+=(--allowed-hosts "$MLFLOW_ALLOWED_HOSTS")
 [[ -n ${MLFLOW_CORS_ALLOWED_ORIGINS:-} ]] && args+=(--cors-allowed-origins "$MLFLOW_CORS_ALLOWED_ORIGINS")

@@ -189,3 +189,19 @@ def test_init_ray_passes_the_users_ray_train_settings_to_the_ranks(monkeypatch):
     assert kwargs["address"] == "auto"
     assert kwargs["runtime_env"]["env_vars"] == {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
                                                  "RAY_TRAIN_ENABLE_PRINT_PATCH": "1"}
+
+
+def test_mlflow_server_keeps_the_store_uri_off_its_command_line(mlflow_server):
+    """The store's URI (a postgresql://user:password@… one on a team server) reaches `mlflow server` by the
+    environment: on the command line every user of the machine read it with ps for as long as it ran."""
+    import urllib.request
+
+    pids = [mlflow_server.proc.pid] + [int(p) for p in Path(f"/proc/{mlflow_server.proc.pid}/task").iterdir()
+                                       for p in (Path(f"/proc/{mlflow_server.proc.pid}/task/{p.name}/children")
+                                                 .read_text().split())]
+    lines = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in pids
+             if Path(f"/proc/{pid}/cmdline").exists()]
+    assert any("mlflow server" in line or "mlflow" in line for line in lines), lines
+    assert not any("sqlite:" in line or str(mlflow_server.data) + "/mlflow.db" in line for line in lines), lines
+    with urllib.request.urlopen(mlflow_server.url + "/api/2.0/mlflow/experiments/search?max_results=1") as r:
+        assert r.status == 200  # and the server does use the store
