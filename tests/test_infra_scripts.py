@@ -205,3 +205,39 @@ def test_mlflow_server_keeps_the_store_uri_off_its_command_line(mlflow_server):
     assert not any("sqlite:" in line or str(mlflow_server.data) + "/mlflow.db" in line for line in lines), lines
     with urllib.request.urlopen(mlflow_server.url + "/api/2.0/mlflow/experiments/search?max_results=1") as r:
         assert r.status == 200  # and the server does use the store
+
+
+# -------------------------------------------------------------------------------------------- scripts/env.sh
+
+
+def test_sourcing_env_sh_leaves_the_shell_s_options_and_activates():
+    """`source scripts/env.sh` (the README's way in) left `set -euo pipefail` in the caller's shell: the next
+    failing grep or unset variable closed it. This checkout's environment is current, so nothing installs."""
+    proc = subprocess.run(["bash", "-c", "set +euo pipefail; source scripts/env.sh test && echo \"opts=$- "
+                           "venv=$VIRTUAL_ENV\"; false; echo still-here $UNSET_VARIABLE"],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    opts, venv = re.search(r"opts=(\S*) venv=(\S+)", proc.stdout).groups()
+    assert "e" not in opts and "u" not in opts and venv == str(ROOT / ".venv")
+    assert "still-here" in proc.stdout
+    kept = subprocess.run(["bash", "-c", "set -o pipefail; source scripts/env.sh test; [[ -o pipefail ]] && echo kept"],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert kept.stdout.strip() == "kept"  # and an option the caller had stays on
+
+
+def test_env_sh_rebuilds_a_venv_cut_short_and_stamps_only_what_installed(tmp_path):
+    """A venv left without pip (its creation stopped) is made again, not reused forever; a failed install
+    returns 1 to the caller (`source … && …` no longer goes on) and writes no stamp, so the next run retries."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("scripts/env.sh", "constraints.txt", "pyproject.toml"):
+        shutil.copy(ROOT / name, repo / name)
+    (repo / "requirements.txt").write_text("no-such-package-for-this-test==0.0.1\n")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    proc = subprocess.run(["bash", "-c", "source scripts/env.sh && echo READY"], cwd=repo, capture_output=True,
+                          text=True, timeout=600, env=clean_env(VIT_VENV=str(venv), PYTHON=sys.executable))
+    assert proc.returncode == 1 and "READY" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert f"[env] creating {venv}" in proc.stderr and "no-such-package-for-this-test" in proc.stderr
+    assert subprocess.run([str(venv / "bin/python"), "-m", "pip", "--version"], capture_output=True).returncode == 0
+    assert not (venv / ".installed").exists()
