@@ -77,6 +77,14 @@ api_host() { [[ $dhost == 0.0.0.0 || $dhost == "::" ]] && echo 127.0.0.1 || echo
 case $cmd in
   start)
     [[ -n $(head_pids) ]] && die "a head started from $dir is already running (bash infra/ray-head.sh stop)"
+    # Taken ports: `ray start` still exits 0 when it cannot bind the job API (it only logs it), and
+    # submitters then reach whatever holds the port (another head's jobs API, or a 404).
+    for spec in "$port RAY_PORT GCS" "$dport DASHBOARD_PORT job-API"; do
+      read -r p var what <<< "$spec"
+      if (exec 3<>"/dev/tcp/$(api_host)/$p") 2>/dev/null; then
+        die "port $p ($what, $var) on $(api_host) is already in use: stop what holds it, or set $var to a free port"
+      fi
+    done
     mkdir -p "$dir"
     ensure_token
     args=(--head --port "$port" --dashboard-host "$dhost" --dashboard-port "$dport"

@@ -1,6 +1,7 @@
 """The Ray cluster the stages run on: how many ranks, what each needs, and starting (or joining) it."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -28,6 +29,16 @@ def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
     return res
 
 
+def _job_env_vars() -> set[str]:
+    """The variables of the Ray job this process runs as (``ray job submit --runtime-env-json``, e.g. what
+    infra/submit.sh passes from ``VIT_JOB_ENV``): Ray sets them for the job's tasks and actors itself."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    try:
+        return set(((json.loads(raw) or {}).get("runtime_env") or {}).get("env_vars") or {}) if raw else set()
+    except (ValueError, AttributeError):
+        return set()
+
+
 def init_ray(ray_cfg: RayConfig, *, train: bool = True) -> None:
     """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS``, or start a quiet local one; either
     way make sure it can hold ``ray.num_workers`` ranks before anything is submitted. ``train=False``
@@ -48,6 +59,8 @@ def init_ray(ray_cfg: RayConfig, *, train: bool = True) -> None:
     if not address:  # one machine, no preemptible nodes: Ray Train's preemption watcher only adds a log line
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         quiet["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
+    for name in _job_env_vars():  # a job's own variables reach the ranks already; Ray refuses them twice
+        quiet.pop(name, None)
     kwargs = dict(logging_level=logging.INFO if ray_cfg.verbose else logging.WARNING,
                   log_to_driver=True, runtime_env={"env_vars": quiet})
     if address:

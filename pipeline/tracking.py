@@ -14,6 +14,7 @@ import os
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from contextlib import closing, contextmanager
 from pathlib import Path
@@ -56,11 +57,20 @@ def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
         return _check_other_store(uri)
     try:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).read()
+        # /health skips the server's Host-header guard; the API calls the stage makes do not
+        urllib.request.urlopen(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1",
+                               timeout=timeout).read()
     except urllib.error.HTTPError as exc:
+        body = exc.read(200).decode(errors="replace")
+        if "Invalid Host header" in body:
+            host = urllib.parse.urlsplit(uri).netloc
+            raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: the server refuses the name {host!r} (Invalid Host "
+                              f"header); start it with MLFLOW_ALLOWED_HOSTS listing {host} (infra/mlflow-server.sh)")
         if exc.code in (401, 403):  # an auth proxy in front of the server: MLflow's client signs in
             return
-        raise TrackingUnreachable(f"MLFLOW_TRACKING_URI={uri} answers HTTP {exc.code} ({exc.reason}) at /health: "
-                                  f"not an MLflow tracking server, or one that is down behind its proxy") from None
+        raise TrackingUnreachable(f"MLFLOW_TRACKING_URI={uri} answers HTTP {exc.code} ({exc.reason}) at "
+                                  f"{urllib.parse.urlsplit(exc.url).path}: not an MLflow tracking server, or one "
+                                  "that is down behind its proxy") from None
     except (urllib.error.URLError, OSError) as exc:
         raise TrackingUnreachable(
             f"MLFLOW_TRACKING_URI={uri} is not reachable ({exc}). Start a local server with "

@@ -241,3 +241,39 @@ def test_env_sh_rebuilds_a_venv_cut_short_and_stamps_only_what_installed(tmp_pat
     assert f"[env] creating {venv}" in proc.stderr and "no-such-package-for-this-test" in proc.stderr
     assert subprocess.run([str(venv / "bin/python"), "-m", "pip", "--version"], capture_output=True).returncode == 0
     assert not (venv / ".installed").exists()
+
+
+def test_ray_head_refuses_a_taken_port_before_starting(stub_ray, tmp_path):
+    """`ray start` exits 0 when another program holds the job API's port (it only logs it): the head said
+    "up", and submitters reached whatever held the port. Now a taken port is one line and exit 1."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        proc = subprocess.run(["bash", str(ROOT / "infra/ray-head.sh"), "start"], capture_output=True, text=True,
+                              env=stub_ray.env(DASHBOARD_PORT=str(taken), RAY_HEAD_DIR=str(tmp_path / "head")),
+                              timeout=60)
+    assert proc.returncode == 1 and proc.stderr == (f"ray-head: port {taken} (job-API, DASHBOARD_PORT) on 127.0.0.1 "
+                                                    "is already in use: stop what holds it, or set DASHBOARD_PORT "
+                                                    "to a free port\n"), proc.stderr
+    assert not stub_ray.log.exists() or "--head" not in stub_ray.log.read_text()
+
+
+def test_init_ray_in_a_job_leaves_the_job_s_own_variables_to_it(monkeypatch):
+    """Inside a Ray job whose runtime env sets RAY_TRAIN_ENABLE_PRINT_PATCH (infra/submit.sh with
+    VIT_JOB_ENV=RAY_TRAIN_ENABLE_PRINT_PATCH=1), ray.init must not set it again: Ray refuses to merge the
+    two runtime envs, and every stage of the job stopped with a traceback printing the job's variables."""
+    import pipeline.cluster as cluster
+    from pipeline.config import RayConfig
+
+    for var in ("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "RAY_TRAIN_ENABLE_PRINT_PATCH", "RAY_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
+        {"runtime_env": {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "1", "AWS_PROFILE": "x"}}, "metadata": {}}))
+    monkeypatch.setattr(cluster, "raise_on_signals", lambda: None)
+    calls = _fake_ray(monkeypatch, {"CPU": 8.0})
+    cluster.init_ray(RayConfig(address="auto", num_workers=2))
+    (kwargs,) = calls.init
+    assert kwargs["runtime_env"]["env_vars"] == {"RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0"}

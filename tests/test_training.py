@@ -188,6 +188,39 @@ def test_tracking_server_behind_an_auth_proxy_is_reachable(status, passes):
         server.server_close()
 
 
+def test_tracking_server_that_refuses_the_host_name_is_one_line():
+    """MLflow's server answers /health whatever the Host header, but refuses API calls from a name it was not
+    told (403 "Invalid Host header", as in a Kubernetes Service without MLFLOW_ALLOWED_HOSTS): the check took it
+    for an auth proxy and the stage died later in a traceback. Now it names the host and the setting."""
+    import http.server
+    import threading
+
+    from pipeline.config import ConfigError
+    from pipeline.tracking import check_tracking_uri
+
+    class Guarded(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            refused = self.path.startswith("/api/")
+            self.send_response(403 if refused else 200)
+            self.end_headers()
+            self.wfile.write(b"Invalid Host header - possible DNS rebinding attack detected" if refused else b"OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Guarded)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ConfigError, match=rf"^MLFLOW_TRACKING_URI=http://{host}: the server refuses the name "
+                                              rf"'{host}' \(Invalid Host header\); start it with "
+                                              rf"MLFLOW_ALLOWED_HOSTS listing {host}"):
+            check_tracking_uri(f"http://{host}")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_damaged_sqlite_store_is_named(tmp_path):
     """A sqlite tracking store that is not a readable database fails the check with its path; a healthy
     one, a missing one (MLflow creates it) and one locked by a writer pass."""
