@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -161,28 +162,37 @@ def test_tracking_server_behind_an_auth_proxy_is_reachable(status, passes):
     """A proxy that asks for credentials answers: the server is there, and MLflow's client sends them
     (MLFLOW_TRACKING_TOKEN, username / password); it stopped every stage as "not reachable". A 502 (the
     server down behind its proxy) still stops it, naming the status."""
-    import http.server
-    import threading
-
     from pipeline.tracking import TrackingUnreachable, check_tracking_uri
 
-    class Proxy(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(status)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    uri = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with _http_server(lambda path: (status, b"")) as host:
+        uri = f"http://{host}"
         if passes:
             check_tracking_uri(uri)
         else:
             with pytest.raises(TrackingUnreachable, match=rf"^MLFLOW_TRACKING_URI={uri} answers HTTP 502 \(Bad Gateway\)"):
                 check_tracking_uri(uri)
+
+
+@contextmanager
+def _http_server(answer):
+    """A loopback HTTP server whose GETs ``answer(path)`` gives as (status, body); yields its host:port."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = answer(self.path)
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
@@ -192,33 +202,19 @@ def test_tracking_server_that_refuses_the_host_name_is_one_line():
     """MLflow's server answers /health whatever the Host header, but refuses API calls from a name it was not
     told (403 "Invalid Host header", as in a Kubernetes Service without MLFLOW_ALLOWED_HOSTS): the check took it
     for an auth proxy and the stage died later in a traceback. Now it names the host and the setting."""
-    import http.server
-    import threading
-
     from pipeline.config import ConfigError
     from pipeline.tracking import check_tracking_uri
 
-    class Guarded(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            refused = self.path.startswith("/api/")
-            self.send_response(403 if refused else 200)
-            self.end_headers()
-            self.wfile.write(b"Invalid Host header - possible DNS rebinding attack detected" if refused else b"OK")
+    def guarded(path: str):  # as MLflow's server: /health for anyone, the API for the names it was given
+        if path.startswith("/api/"):
+            return 403, b"Invalid Host header - possible DNS rebinding attack detected"
+        return 200, b"OK"
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Guarded)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    host = f"127.0.0.1:{server.server_address[1]}"
-    try:
+    with _http_server(guarded) as host:
         with pytest.raises(ConfigError, match=rf"^MLFLOW_TRACKING_URI=http://{host}: the server refuses the name "
                                               rf"'{host}' \(Invalid Host header\); start it with "
                                               rf"MLFLOW_ALLOWED_HOSTS listing {host}"):
             check_tracking_uri(f"http://{host}")
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_damaged_sqlite_store_is_named(tmp_path):
