@@ -259,12 +259,22 @@ class RunLogger:
 
         self.client, self.run_id = MlflowClient(tracking_uri), run_id
         self._pending: list = []  # MLflow's RunOperations, one per write
+        self._logged = self._last_steps()
+
+    def _last_steps(self) -> dict[str, int]:
+        """The last step of each metric the run already has: a resumed launch replays the steps after its
+        checkpoint, which an earlier launch logged (the same values, resume being exact), so they are not
+        logged twice (as W&B drops a resumed run's earlier steps). The driver's system metrics aside."""
+        keys = [k for k in self.client.get_run(self.run_id).data.metrics if not k.startswith("system/")]
+        return {k: max(m.step for m in self.client.get_metric_history(self.run_id, k)) for k in keys}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._log([Metric(k, float(v), now, step) for k, v in metrics.items()], [])
+        new = {k: v for k, v in metrics.items() if step > self._logged.get(k, -1)}
+        if new:
+            self._log([Metric(k, float(v), now, step) for k, v in new.items()], [])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag

@@ -723,3 +723,35 @@ def test_evaluation_batches_are_no_larger_than_the_micro_batches(digits_dir, tmp
                               steps_per_epoch=2)
     worker.run_loop(cfg, LoopRun(init_state=model.state_dict()), LocalContext(str(tmp_path), use_gpu=False, keep=1))
     assert seen == [2]  # 8 per worker, at most 3 at once: 4 micro batches of 2
+
+
+def test_a_resumed_launch_logs_no_step_twice(digits_dir, tmp_path):
+    """A launch resumed from an earlier checkpoint replays the steps after it; the MLflow run already has
+    them from the launch that was stopped (the same values: resume is exact), so they are not logged again:
+    each metric's history has each step once (it had the replayed epoch twice, throughput differing)."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.train.context import LocalContext, list_checkpoints
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import run_loop
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("resume")).info.run_id
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), epochs=2, log_every_steps=2), shard_dir=str(digits_dir),
+                              steps_per_epoch=3)
+    run, run_dir = LoopRun(init_state=model.state_dict(), run_id=run_id, tracking_uri=uri), tmp_path / "run"
+
+    def histories() -> dict[str, list[tuple[int, float]]]:
+        return {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k))
+                for k in ("train_loss", "train_loss_step", "val_top1", "images_per_s")}
+
+    run_loop(cfg, run, LocalContext(str(run_dir), use_gpu=False, keep=3))
+    first = histories()
+    assert [step for step, _ in first["train_loss"]] == [3, 6]
+    shutil.rmtree(run_dir / list_checkpoints(str(run_dir))[-1])  # stopped before its last checkpoint
+    run_loop(cfg, run, LocalContext(str(run_dir), use_gpu=False, keep=3))
+    assert histories() == first
