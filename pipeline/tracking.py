@@ -265,8 +265,13 @@ class RunLogger:
         """The last step of each metric the run already has: a resumed launch replays the steps after its
         checkpoint, which an earlier launch logged (the same values, resume being exact), so they are not
         logged twice (as W&B drops a resumed run's earlier steps). The driver's system metrics aside."""
-        keys = [k for k in self.client.get_run(self.run_id).data.metrics if not k.startswith("system/")]
-        return {k: max(m.step for m in self.client.get_metric_history(self.run_id, k)) for k in keys}
+        from mlflow.exceptions import MlflowException
+
+        try:
+            keys = [k for k in self.client.get_run(self.run_id).data.metrics if not k.startswith("system/")]
+            return {k: max(m.step for m in self.client.get_metric_history(self.run_id, k)) for k in keys}
+        except MlflowException:  # a run that cannot be read: its writes fail too, and close() raises that
+            return {}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
