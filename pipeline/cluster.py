@@ -33,9 +33,12 @@ def _job_env_vars() -> set[str]:
     """The variables of the Ray job this process runs as (``ray job submit --runtime-env-json``, e.g. what
     infra/submit.sh passes from ``VIT_JOB_ENV``): Ray sets them for the job's tasks and actors itself."""
     raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return set()
     try:
-        return set(((json.loads(raw) or {}).get("runtime_env") or {}).get("env_vars") or {}) if raw else set()
-    except (ValueError, AttributeError):
+        runtime_env = json.loads(raw).get("runtime_env") or {}
+        return set(runtime_env.get("env_vars") or {})
+    except (ValueError, AttributeError):  # not the JSON Ray writes: nothing to leave out
         return set()
 
 

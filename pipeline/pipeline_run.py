@@ -287,7 +287,8 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished
     After a failed stage only those before it: the ones after will not run, and their files are older."""
     ran = {finished} | {r.data.tags.get("stage") for r in client.search_runs(
         [experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'stage'", max_results=100)}
-    for stage in STAGES[:STAGES.index(finished)] if failed and finished in STAGES else STAGES:
+    stages = STAGES[:STAGES.index(finished)] if failed and finished in STAGES else STAGES
+    for stage in stages:
         results = {} if stage in ran else stage_results(stage)
         if not results:
             continue

@@ -173,6 +173,8 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     all_tags = {**base_tags, **environment.describe(listing=listing), **(tags or {}), "stage": stage, "kind": "stage",
                 "pipeline.id": pid}
     run_name = all_tags.pop("run_name", stage)
+    if resume_key:
+        all_tags["ray.run_name"] = resume_key
     status, run_id, parent = "FAILED", None, None
     try:
         with held_signals() as pending:  # a stop between the two runs' starts would leave the parent RUNNING
@@ -210,13 +212,12 @@ def _start_stage_run(client, experiment_id: str, run_name: str, tags: dict[str, 
     import mlflow
 
     if resume_key:
-        tags["ray.run_name"] = resume_key
         found = client.search_runs([experiment_id], f"tags.`ray.run_name` = '{resume_key}'", max_results=1,
                                    order_by=["attributes.start_time DESC"])
         if found and found[0].info.status != "FINISHED":
             return mlflow.start_run(run_id=found[0].info.run_id, log_system_metrics=system_metrics), True
         if found:
-            tags["ray.previous_mlflow_run"] = found[0].info.run_id
+            tags = {**tags, "ray.previous_mlflow_run": found[0].info.run_id}
     return mlflow.start_run(run_name=run_name, tags=tags, log_system_metrics=system_metrics), False
 
 

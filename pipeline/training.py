@@ -13,7 +13,7 @@ import torch
 from pipeline.config import INIT_SOURCES, Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
-from pipeline.model import VisionTransformer, build_model, convert_state_dict, load_model, save_model
+from pipeline.model import ViTConfig, VisionTransformer, build_model, convert_state_dict, load_model, save_model
 from pipeline.model.build import section_config
 from pipeline.model.io import ModelFileError, read_model_file
 from pipeline.outputs import staged_outputs
@@ -143,8 +143,10 @@ def load_finetune_start(params: Params, classes: list[str],
     return model
 
 
-ARCHITECTURE = ("embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "pool", "in_chans", "drop_rate",
-                "attn_drop_rate", "layer_norm_eps")  # what model.* must say of a model directory it starts from
+# What model.* must say of a model directory a fine-tune starts from: every ViTConfig field but the geometry
+# the fine-tune moves it to, the head it replaces, and drop_path_rate, a training setting with no weights.
+ARCHITECTURE = tuple(f.name for f in dataclasses.fields(ViTConfig)
+                     if f.name not in ("image_size", "patch_size", "num_classes", "dynamic_img_size", "drop_path_rate"))
 
 
 def as_configured(params: Params, model: VisionTransformer, source: Path) -> VisionTransformer:

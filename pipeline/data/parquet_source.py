@@ -71,17 +71,14 @@ def hf_features(schema: pa.Schema, path: Path) -> dict:
     return features if isinstance(features, dict) else {}
 
 
-def pick_columns(schema: pa.Schema, path: Path, image_column: Optional[str] = None,
+def pick_columns(schema: pa.Schema, path: Path, features: dict, image_column: Optional[str] = None,
                  label_column: Optional[str] = None) -> tuple[str, str]:
-    """The image and label columns (see the module docstring), checked."""
-    features = hf_features(schema, path)
-
+    """The image and label columns (see the module docstring; ``features``: :func:`hf_features`), checked."""
     def pick(given: Optional[str], key: str, hf_type: str, default: str) -> str:
         typed = [n for n, f in features.items() if isinstance(f, dict) and f.get("_type") == hf_type]
         name = given or (typed[0] if len(typed) == 1 else default)
         if name not in schema.names:
-            hint = (f"its metadata types {typed} as {hf_type}: name one" if len(typed) > 1
-                    else f"name the column")
+            hint = f"its metadata types {typed} as {hf_type}: name one" if len(typed) > 1 else "name the column"
             raise ValueError(f"{path} has no {name!r} column ({key}: {hint}); columns are {schema.names}")
         return name
 
@@ -96,9 +93,10 @@ def pick_columns(schema: pa.Schema, path: Path, image_column: Optional[str] = No
     return image, label
 
 
-def hf_class_names(schema: pa.Schema, path: Path, label: str) -> Optional[list[str]]:
-    """Class names from the ``huggingface`` schema metadata (the label feature's ``names``), if present."""
-    names = hf_features(schema, path).get(label, {}).get("names")
+def hf_class_names(features: dict, label: str) -> Optional[list[str]]:
+    """Class names from the ``huggingface`` features (:func:`hf_features`; the label feature's ``names``)."""
+    feature = features.get(label)
+    names = feature.get("names") if isinstance(feature, dict) else None
     return [str(n) for n in names] if names else None
 
 
@@ -219,12 +217,13 @@ def parquet_listing(*, root, seed, val_fraction, test_fraction, class_names, ima
     for f, split in zip(files, file_splits):
         with _reading(f):
             pf = pq.ParquetFile(f)
-        picked = list(pick_columns(pf.schema_arrow, f, image_column, label_column))
+        features = hf_features(pf.schema_arrow, f)
+        picked = list(pick_columns(pf.schema_arrow, f, features, image_column, label_column))
         if columns and picked != columns:
             raise ValueError(f"{f}: its image and label columns are {picked}, {files[0]}'s {columns}: name them "
                              "with image_column / label_column")
         columns = picked
-        names = names or hf_class_names(pf.schema_arrow, f, columns[1])
+        names = names or hf_class_names(features, columns[1])
         for batch in _batches(f, columns[1:], 65536):
             col = batch.column(0)
             if col.null_count:

@@ -5,6 +5,7 @@ back from the module that imports it.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional, Sequence
 
 import numpy as np
@@ -43,7 +44,7 @@ def resolve_classes(class_names: Optional[Sequence[str]], default: Sequence[str]
 
 def check_unique(names: Sequence[str], key: str) -> None:
     """Two classes under one name would merge: refused, naming the repeated ones."""
-    repeated = sorted({n for n in names if list(names).count(n) > 1})
+    repeated = sorted(n for n, count in Counter(names).items() if count > 1)
     if repeated:
         raise ValueError(f"{key} names {repeated} more than once: {list(names)}")
 

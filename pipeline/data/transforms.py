@@ -108,7 +108,10 @@ def _tail(cfg: dict) -> list:
 def eval_augment(meta: dict) -> dict:
     """The eval preprocessing a model's config.json records: its mean / std and the resize its training and
     validation used (models saved before ``interpolation`` was recorded: the default)."""
-    return {**meta["normalize"], **{k: meta[k] for k in ("interpolation",) if k in meta}}
+    augment = dict(meta["normalize"])
+    if "interpolation" in meta:
+        augment["interpolation"] = meta["interpolation"]
+    return augment
 
 
 def eval_transform(image_size: int, augment: Optional[dict] = None) -> v2.Compose:
