@@ -8,6 +8,7 @@ from pathlib import Path
 from pipeline.config import DataConfig
 from pipeline.data import shard_dataset
 from pipeline.outputs import staged_outputs
+from pipeline.utils import DATASET_INFO
 
 CIFAR_TGZ = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpg.tar.gz"
 
@@ -30,7 +31,7 @@ def cifar_shards(out: Path, data: DataConfig, tarball: Path = CIFAR_TGZ) -> Path
     """CIFAR-10 train+test from ``tarball``, extracted beside ``out`` (as ``<out>-jpg``) and sharded into
     ``out`` as ``data`` (the recipe's ``data.<stage>``, its ``root`` replaced by the extracted copy) says;
     nothing to do when ``out`` already holds them."""
-    if not (out / "dataset.json").exists():
+    if not (out / DATASET_INFO).exists():
         print(f"sharding CIFAR-10 from {tarball} into {out} (once)", flush=True)
         raw = extract_cifar(out.parent / (out.name + "-jpg"), tarball)
         shard_dataset(out, dataclasses.replace(data, source="imagefolder", root=str(raw)))

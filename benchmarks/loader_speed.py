@@ -32,6 +32,7 @@ from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.loader import _collate  # noqa: E402
 from pipeline.data.transforms import BatchFinish, SampleTransform, train_transform  # noqa: E402
+from pipeline.utils import DATASET_INFO  # noqa: E402
 from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
@@ -40,7 +41,7 @@ AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
 def ensure_data(extract_to: Path, shard_dir: Path, encoding: str = "source") -> Path:
     """Extract CIFAR-10 to /tmp (never the repo) and shard its train/ folder once."""
     train = extract_cifar(extract_to) / "train"
-    if not (shard_dir / "dataset.json").exists():
+    if not (shard_dir / DATASET_INFO).exists():
         shard_dataset(shard_dir, DataConfig(source="imagefolder", root=train, val_fraction=0.0, test_fraction=0.0,
                                             maxcount=2000, encoding=encoding))
     return train

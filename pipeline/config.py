@@ -220,10 +220,6 @@ class Params:
         """``finetune.patch_size``, or ``model.patch_size`` when it is null (0 is an error, not null)."""
         return self.model.patch_size if self.finetune.patch_size is None else self.finetune.patch_size
 
-    @property
-    def tracking_uri(self) -> str:
-        return tracking_uri()
-
 
 def tracking_uri() -> str:
     """Where runs and models go: ``$MLFLOW_TRACKING_URI``, else the repository's sqlite store."""
@@ -340,7 +336,7 @@ def validate(p: Params) -> Params:
     """Cross-field checks that a type check alone cannot catch (local imports: config stays
     importable without torch)."""
     for name in TRAINING_STAGES:
-        _check_data(f"data.{name}", getattr(p.data, name))
+        check_data(getattr(p.data, name), f"data.{name}")
     _check_model(p)
     _positive("ray.num_workers", p.ray.num_workers)
     for stage in TRAINING_STAGES:
@@ -350,7 +346,8 @@ def validate(p: Params) -> Params:
     return p
 
 
-def _check_data(key: str, d: DataConfig) -> None:
+def check_data(d: DataConfig, key: str = "data.<name>") -> None:
+    """One ``data.<name>`` section; also the shard stage's own check of a spec built in code."""
     from pipeline.data.sources import ROOTED, SOURCES
     from pipeline.data.splits import check_fraction, check_fractions
 

@@ -17,6 +17,7 @@ from pipeline.data import make_eval_loader, read_dataset_info, require_split
 from pipeline.data.transforms import eval_augment
 from pipeline.model import VisionTransformer, load_model, save_config, save_model
 from pipeline.outputs import staged_outputs
+from pipeline.predict import MODEL_FILES, RUNNERS
 from pipeline.registry import EXPORT_ARTIFACTS, model_run_tag, record_version
 from pipeline.tracking import stage_run
 from pipeline.utils import EXPORTS, METRICS, MODELS, atomic_write_json
@@ -48,12 +49,6 @@ def export_torchscript(model: VisionTransformer, example: torch.Tensor, path: Pa
         warnings.simplefilter("ignore", FutureWarning)  # "torch.jit is deprecated": the format is asked for
         traced = torch.jit.trace(model, example[:2], check_trace=False)
     traced.save(str(path))
-
-
-def load_torchscript(path: Path) -> torch.jit.ScriptModule:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return torch.jit.load(str(path))
 
 
 def export_onnx(model: VisionTransformer, example: torch.Tensor, path: Path, opset: int) -> None:
@@ -106,18 +101,18 @@ def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: tor
 
 def _export_and_compare(fmt: str, model: VisionTransformer, images: torch.Tensor, reference: torch.Tensor,
                         out_dir: Path, opset: int, extra: dict) -> dict[str, float]:
-    """Write one format into ``out_dir``, load it back and compare its logits with PyTorch's."""
+    """Write one format into ``out_dir``, load it back as ``vit-pipeline predict`` does and compare its
+    logits with PyTorch's: the check covers the loaders serving uses."""
+    path = out_dir / MODEL_FILES[fmt]
     with torch.no_grad():
         if fmt == "safetensors":
             save_model(model, out_dir, extra=extra)
-            return _compare(reference, load_model(out_dir)[0].eval()(images))
-        if fmt == "torchscript":
-            export_torchscript(model, images, out_dir / "model.torchscript.pt")
-            return _compare(reference, load_torchscript(out_dir / "model.torchscript.pt")(images))
-    import onnxruntime as ort
-    export_onnx(model, images, out_dir / "model.onnx", opset)
-    sess = ort.InferenceSession(str(out_dir / "model.onnx"), providers=["CPUExecutionProvider"])
-    return _compare(reference, sess.run(None, {"images": images.numpy()})[0])
+        elif fmt == "torchscript":
+            export_torchscript(model, images, path)
+    if fmt == "onnx":
+        export_onnx(model, images, path, opset)
+    with torch.no_grad():
+        return _compare(reference, RUNNERS[fmt](path)(images))
 
 
 def export_formats(model: VisionTransformer, images: torch.Tensor, reference: torch.Tensor, out_dir: Path,

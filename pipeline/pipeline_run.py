@@ -20,6 +20,7 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import TRAINING_STAGES, Params, flatten
+from pipeline.utils import CONFIG_NAME, MODELS, PRETRAINED, metrics_path
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "model training" experiment type (not GenAI)
@@ -28,7 +29,6 @@ STAGES = ("pretrain", "finetune", "evaluate", "export")
 # The shards each stage reads, as (dataset, [splits]); a split's context is its MLflow input context.
 STAGE_DATA = {"pretrain": ("pretrain", ["train", "val"]), "finetune": ("finetune", ["train", "val"]),
               "evaluate": ("finetune", ["test"]), "export": ("finetune", ["test"])}
-METRICS_DIR, MODELS_DIR = Path("metrics"), Path("models")
 
 
 _IMPORTED_MS = int(time.time() * 1000)
@@ -72,13 +72,17 @@ def pipeline_params(params: Params) -> dict[str, str]:
     """Every params.yaml value, flattened, plus what is derived from them (world size, patch sizes)."""
     flat = {k: v for k, v in flatten(params).items() if not k.startswith("mlflow.")}
     flat.update({"world_size": params.ray.world_size, "finetune.effective_patch_size": params.finetune_patch_size,
-                 "finetune.init": params.finetune.init or "models/pretrain"})
-    return {k: _param_value(v) for k, v in flat.items()}
+                 "finetune.init": params.finetune.init or str(PRETRAINED)})
+    return {k: param_value(v) for k, v in flat.items()}
 
 
-def _param_value(v: Any) -> str:
+MAX_PARAM_CHARS = 6000  # MLflow's MAX_PARAM_VAL_LENGTH, named here without importing MLflow (the GPU benchmarks)
+
+
+def param_value(v: Any) -> str:
+    """A value as an MLflow param: lists and dicts as JSON, cut to what MLflow stores."""
     s = json.dumps(v) if isinstance(v, (list, dict)) else str(v)
-    return s[:6000]
+    return s[:MAX_PARAM_CHARS]
 
 
 def find_or_create(client, experiment_id: str, pid: str, params: Params, tags: dict[str, str],
@@ -98,9 +102,7 @@ def find_or_create(client, experiment_id: str, pid: str, params: Params, tags: d
     run_id = run.info.run_id
     from mlflow.entities import Param
 
-    items = [Param(k, v) for k, v in sorted(pipeline_params(params).items())]
-    for i in range(0, len(items), 100):  # log_batch takes at most 100 params
-        client.log_batch(run_id, params=items[i:i + 100])
+    client.log_batch(run_id, params=[Param(k, v) for k, v in sorted(pipeline_params(params).items())])
     return run_id
 
 
@@ -122,7 +124,7 @@ def shard_datasets(stage: str) -> list[tuple[Any, str]]:
         info = read_dataset_info(shard_dir)
     except (FileNotFoundError, OSError, ValueError):
         return []
-    manifest = storage.file_hash(storage.join(shard_dir, "manifest.parquet"))
+    manifest = storage.manifest_digest(shard_dir)
     location = str(shard_dir) if storage.is_url(shard_dir) else str(Path(shard_dir).resolve())
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": local paths are local
         warnings.simplefilter("ignore")
@@ -189,7 +191,7 @@ TEST_METRICS = ("top1", "top5", "loss", "ece", "top1_single_view")  # of metrics
 
 def _read_metrics(stage: str) -> dict:
     try:
-        m = json.loads((METRICS_DIR / f"{stage}.json").read_text())
+        m = json.loads(metrics_path(stage).read_text())
     except (OSError, ValueError):
         return {}
     return m if isinstance(m, dict) else {}
@@ -245,9 +247,7 @@ def log_results(client, parent: str, metrics: dict[str, float]) -> None:
     from mlflow.entities import Metric
 
     t = now_ms()
-    batch = [Metric(k, v, t, 0) for k, v in metrics.items()]
-    for i in range(0, len(batch), 1000):
-        client.log_batch(parent, metrics=batch[i:i + 1000])
+    client.log_batch(parent, metrics=[Metric(k, v, t, 0) for k, v in metrics.items()])
 
 
 def _producing_run(client, stage: str):
@@ -258,7 +258,7 @@ def _producing_run(client, stage: str):
             version = _read_metrics("export")["registered_model"]
             run_id = client.get_model_version(version["name"], str(version["version"])).run_id
         else:
-            run_id = json.loads((MODELS_DIR / stage / "config.json").read_text()).get("mlflow_run_id")
+            run_id = json.loads((MODELS / stage / CONFIG_NAME).read_text()).get("mlflow_run_id")
         return client.get_run(run_id) if run_id else None
     except Exception:  # noqa: BLE001 - another store, a deleted run: the metrics file still counts
         return None

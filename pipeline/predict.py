@@ -30,14 +30,13 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from pipeline.data.pixels import eight_bit
+from pipeline.data.pixels import IMAGE_EXTS, eight_bit
 from pipeline.data.transforms import eval_augment, eval_transform
 from pipeline.metrics import predicted_class
 from pipeline.model.io import ModelFileError, load_model, read_model_file
 from pipeline.registry import MODEL_URI, download_export  # imports MLflow only when it downloads
-from pipeline.utils import error_summary, positive_int
+from pipeline.utils import CONFIG_NAME, EXPORTS, error_summary, positive_int
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"}
 MODEL_FILES = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "safetensors": "model.safetensors"}
 CONFIG_KEYS = ("classes", "image_size", "normalize")  # what predict reads from the export's config.json
 REEXPORT = "re-run the export stage (`dvc repro export`) or point --model at an export directory"
@@ -47,7 +46,7 @@ def image_files(path: Path) -> list[Path]:
     """A file as given; a directory expanded (recursively) to its image files, sorted (not a directory
     named like one, e.g. ``sub.png/``: its images are listed, it is not an unreadable image)."""
     if path.is_dir():
-        return sorted(f for f in path.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES and not f.is_dir())
+        return sorted(f for f in path.rglob("*") if f.suffix.lower() in IMAGE_EXTS and not f.is_dir())
     return [path]
 
 
@@ -74,8 +73,13 @@ def _onnx_runner(path: Path):
     return lambda x: sess.run(None, {"images": x.numpy()})[0]
 
 
+def load_torchscript(path: Path) -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "torch.jit is deprecated": the format is asked for
+        return torch.jit.load(str(path))
+
+
 def _torchscript_runner(path: Path):
-    from pipeline.export import load_torchscript
     module = load_torchscript(path)
     return lambda x: module(x).detach().numpy()
 
@@ -103,19 +107,19 @@ def load_predictor(model: str, fmt: str) -> "Predictor":
     name = model_file_name(fmt)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the line below says it instead
     with tempfile.TemporaryDirectory(prefix="vit-predict-") as tmp:
-        folder, version = download_export(model, ["config.json", name], Path(tmp))
+        folder, version = download_export(model, [CONFIG_NAME, name], Path(tmp))
         print(f"[predict] {model}: version {version.version} (export run {version.run_id}), "
-              f"fetched config.json and {name}", file=sys.stderr, flush=True)
+              f"fetched {CONFIG_NAME} and {name}", file=sys.stderr, flush=True)
         return Predictor(folder, fmt)
 
 
 class Predictor:
     """Loads one exported format and the preprocessing recorded in its config.json."""
 
-    def __init__(self, model_dir: str | Path = "exports", fmt: str = "onnx"):
+    def __init__(self, model_dir: str | Path = EXPORTS, fmt: str = "onnx"):
         name = model_file_name(fmt)
         model_dir = Path(model_dir)
-        self.config_file = model_dir / "config.json"
+        self.config_file = model_dir / CONFIG_NAME
         meta = read_config(self.config_file)
         self.classes = meta["classes"]
         try:
@@ -158,7 +162,7 @@ def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
                                  epilog=__doc__[__doc__.index("Exit codes:"):],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="image files or directories")
-    ap.add_argument("--model", default="exports", help="export directory: its config.json and model.<format> "
+    ap.add_argument("--model", default=str(EXPORTS), help="export directory: its config.json and model.<format> "
                     "(default: exports, written by the export stage), or a registered version: "
                     "models:/<name>@<alias> or models:/<name>/<version>")
     ap.add_argument("--format", default="onnx", choices=list(RUNNERS))
@@ -173,7 +177,7 @@ def gather(paths: list[str]) -> tuple[list[Path], int]:
         found = image_files(path)
         if not found:
             print(f"error: {path}: no image files in this directory (looked for "
-                  f"{', '.join(sorted(IMAGE_SUFFIXES))})", file=sys.stderr)
+                  f"{', '.join(sorted(IMAGE_EXTS))})", file=sys.stderr)
             empty += 1
         files += found
     return files, empty

@@ -44,7 +44,7 @@ def _dataset_tag(name: str) -> str:
 
     shard_dir = storage.shard_dir(name)
     source = read_dataset_info(shard_dir).get("source", "shards")
-    return f"{name}-{source}@{storage.file_hash(storage.join(shard_dir, 'manifest.parquet'))[:10]}"
+    return f"{name}-{source}@{storage.manifest_digest(shard_dir)[:10]}"
 
 
 def trained_on(client, model_run_id: str) -> str | None:
@@ -106,10 +106,9 @@ def download_export(uri: str, files: list[str], dst: Path) -> tuple[Path, Any]:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from pipeline.config import tracking_uri as configured_uri
-    from pipeline.tracking import SQLITE, check_tracking_uri, resolve_tracking_uri
+    from pipeline.tracking import SQLITE, check_tracking_uri, configured_uri
 
-    tracking_uri = resolve_tracking_uri(configured_uri())
+    tracking_uri = configured_uri()
     name, alias, version = _parse_model_uri(uri)
     try:
         if tracking_uri.startswith(SQLITE) and not Path(tracking_uri[len(SQLITE):]).is_file():

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.outputs import StagedOutputs
-from pipeline.utils import SHARDS, apply_umask
+from pipeline.utils import CONFIG_NAME, DATASET_INFO, MANIFEST, SHARDS, apply_umask
 
 SHARDS_URL_ENV = "VIT_SHARDS_URL"
-MARKERS = ("dataset.json", "config.json")  # written last: their presence marks a complete directory
+MARKERS = (DATASET_INFO, CONFIG_NAME)  # written last: their presence marks a complete directory
 
 
 def is_url(path) -> bool:
@@ -80,6 +80,11 @@ def file_hash(path) -> str:
         return hashlib.sha256(fs.cat_file(p)).hexdigest()[:16]
     except FileNotFoundError:
         return "none"
+
+
+def manifest_digest(shard_dir) -> str:
+    """What a shard directory's samples are, as a hash: its manifest's (the MLflow dataset inputs and tags)."""
+    return file_hash(join(shard_dir, MANIFEST))
 
 
 def _endpoint() -> str | None:
@@ -178,7 +183,7 @@ def _local_files(local: Path) -> list[str]:
 def upload_dir(local: str | os.PathLike, url: str, *, delete: bool = True) -> list[str]:
     """Mirror directory ``local`` to ``url`` (a bucket prefix); returns the relative names written.
 
-    Hidden temporary files (``.name.tmp-*``, left by an interrupted atomic write) are skipped.
+    Hidden files (``.partial.*``, left by an interrupted write) are skipped.
     With ``delete``, objects under the prefix that are not in ``local`` are removed afterwards.
     """
     local = Path(local)

@@ -9,7 +9,6 @@ datasets land on it as the stage ends.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipeline import environment, pipeline_run
-from pipeline.config import ConfigError, Params, flatten, params_file
+from pipeline.config import DEFAULT_TRACKING_URI, ConfigError, Params, flatten, params_file, tracking_uri
 from pipeline.signals import StageInterrupted, held_signals
 from pipeline.storage import file_hash
 from pipeline.utils import METRICS, PLOTS, error_summary
@@ -41,6 +40,12 @@ def resolve_tracking_uri(uri: str) -> str:
         root = Path(os.environ.get("DVC_ROOT") or ".")
         return SQLITE + str((root / uri[len(SQLITE):]).resolve())
     return uri
+
+
+def configured_uri() -> str:
+    """The store this process logs to (:func:`pipeline.config.tracking_uri`), a relative sqlite path made
+    absolute."""
+    return resolve_tracking_uri(tracking_uri())
 
 
 class TrackingStoreDamaged(ValueError):
@@ -75,7 +80,7 @@ def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
         raise TrackingUnreachable(
             f"MLFLOW_TRACKING_URI={uri} is not reachable ({exc}). Start a local server with "
             f"`bash infra/mlflow-server.sh` (or `mlflow server --host 127.0.0.1 --port 5000`), "
-            f"or unset MLFLOW_TRACKING_URI to log to sqlite:///mlflow.db") from None
+            f"or unset MLFLOW_TRACKING_URI to log to {DEFAULT_TRACKING_URI}") from None
 
 
 def _check_other_store(uri: str) -> None:
@@ -87,7 +92,7 @@ def _check_other_store(uri: str) -> None:
     except (MlflowException, ImportError) as exc:  # ImportError: a database driver not installed
         why = exc.message.strip() if isinstance(exc, MlflowException) else error_summary(exc)
         raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: MLflow cannot use it ({why}); use "
-                          f"{SQLITE}mlflow.db (the default) or an http(s):// tracking server") from None
+                          f"{DEFAULT_TRACKING_URI} (the default) or an http(s):// tracking server") from None
 
 
 def _check_sqlite(path: Path) -> None:
@@ -143,11 +148,6 @@ def pipeline_id(params_path: str | os.PathLike | None = None) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def _parent_run(client, experiment_id: str, pid: str, tags: dict[str, str], params: Params, start_ms: int) -> str:
-    """The pipeline run (see :mod:`pipeline.pipeline_run`), RUNNING while a stage runs."""
-    return pipeline_run.find_or_create(client, experiment_id, pid, params, tags, start_ms)
-
-
 @contextmanager
 def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None = None,
               tags: dict[str, str] | None = None, resume_key: str | None = None,
@@ -160,7 +160,7 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    uri = resolve_tracking_uri(params.tracking_uri)
+    uri = configured_uri()
     check_tracking_uri(uri)
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.set_experiment(params.mlflow.experiment)
@@ -178,8 +178,8 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     status, run_id, parent = "FAILED", None, None
     try:
         with held_signals() as pending:  # a stop between the two runs' starts would leave the parent RUNNING
-            parent = _parent_run(client, experiment.experiment_id, pid,
-                                 {**base_tags, **pipeline_run.experiment_name_tag()}, params, start_ms)
+            parent = pipeline_run.find_or_create(client, experiment.experiment_id, pid, params,
+                                                 {**base_tags, **pipeline_run.experiment_name_tag()}, start_ms)
             all_tags["mlflow.parentRunId"] = parent
             ctx, resumed = _start_stage_run(client, experiment.experiment_id, run_name, all_tags, resume_key,
                                             system_metrics)
@@ -239,12 +239,7 @@ def _finish_parent(client, experiment_id: str, parent: str, pid: str, stage: str
 def stage_params(stage: str, params: Params, extra_params: dict[str, Any] | None = None) -> dict[str, str]:
     """The params a stage's MLflow run logs: the model section, the stage's own section and ``extra_params``."""
     logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage), **(extra_params or {})}
-    return {k: _param_value(v) for k, v in logged.items()}
-
-
-def _param_value(v: Any) -> str:
-    s = json.dumps(v) if isinstance(v, (list, dict)) else str(v)
-    return s[:6000]
+    return {k: pipeline_run.param_value(v) for k, v in logged.items()}
 
 
 class RunLogger:

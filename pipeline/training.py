@@ -22,7 +22,7 @@ from pipeline import storage
 from pipeline.tracking import stage_params, stage_run
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
-from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json
+from pipeline.utils import CONFIG_NAME, MODELS, PLOTS, PRETRAINED, atomic_write_json, history_path, metrics_path
 
 
 def _extra_params(params: Params, recipe: TrainConfig, model: VisionTransformer, info: dict) -> dict:
@@ -53,12 +53,12 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
                     shard_dir: str | Path, info: dict) -> dict:
     import mlflow  # here, not at the top: benchmarks/time_to_accuracy.py imports this module without MLflow
 
-    tags = {"dataset.manifest": storage.file_hash(storage.join(shard_dir, "manifest.parquet")),
+    tags = {"dataset.manifest": storage.manifest_digest(shard_dir),
             "dataset.source": info["source"]}
     extra = run_params(stage, params, recipe, model, info)
     recipe, spec = plan_stage(stage, params, recipe, model, shard_dir, info)
-    model_dir, metrics_file = MODELS / stage, METRICS / f"{stage}.json"
-    history_csv, curves_png = PLOTS / f"{stage}_history.csv", PLOTS / f"{stage}_curves.png"
+    model_dir, metrics_file = MODELS / stage, metrics_path(stage)
+    history_csv, curves_png = history_path(stage), PLOTS / f"{stage}_curves.png"
     with staged_outputs(model_dir, metrics_file, history_csv, curves_png) as out, \
             stage_run(stage, params, extra_params=extra,
                       tags=tags, resume_key=spec.run_name, system_metrics=True) as run:
@@ -74,7 +74,7 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
         write_history(result.history, out[history_csv])
         plot_history({stage: result.history}, out[curves_png])
         out.publish()
-        for path in (metrics_file, history_csv, curves_png, model_dir / "config.json"):
+        for path in (metrics_file, history_csv, curves_png, model_dir / CONFIG_NAME):
             mlflow.log_artifact(str(path))
     print(f"[{stage}] done: kept epoch {summary['kept_epoch']} ({summary['kept_source']} weights, val top-1 "
           f"{summary['kept_val_top1']:.4f}) -> {model_dir}/", flush=True)
@@ -115,7 +115,7 @@ def pretrain_start(params: Params, num_classes: int) -> VisionTransformer:
 
 
 def load_finetune_start(params: Params, classes: list[str],
-                        pretrained: Path = MODELS / "pretrain") -> VisionTransformer:
+                        pretrained: Path = PRETRAINED) -> VisionTransformer:
     """Pretrained weights (``pretrained``: the pretrain stage's model directory, unless ``finetune.init``
     names an external file or ``scratch``) moved to the fine-tune resolution/patch, with a new head for
     ``classes`` unless ``finetune.head: auto`` and they are the pretrained model's own (a fine-tune at a
@@ -182,23 +182,42 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
     redo = f"finetune.init must name {kinds}"
     if path.is_dir():
         return as_configured(params, load_model(path, redo=redo)[0], path)
+    state = _read_weights(params, path, redo)
+    model = _model_for_weights(params, path, state)
+    model.load_state_dict(state)
+    return model
+
+
+def _layout_hint(params: Params) -> str:
+    return f"is finetune.init_source={params.finetune.init_source!r} right? valid: {', '.join(INIT_SOURCES)}"
+
+
+def _read_weights(params: Params, path: Path, redo: str) -> dict[str, torch.Tensor]:
+    """A weights file's state dict in this package's key layout, without its head."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
         state = read_model_file(path, lambda p: load_file(str(p)), redo)
     else:
         state = read_model_file(path, lambda p: _load_pt(p, redo), redo)
     state = _state_dict_of(state, path, redo)
-    layout = f"is finetune.init_source={params.finetune.init_source!r} right? valid: {', '.join(INIT_SOURCES)}"
     try:
         if params.finetune.init_source != "pipeline":
             state = convert_state_dict(state, params.finetune.init_source, drop_head=True)
-        state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    except KeyError as exc:
+        raise ValueError(f"finetune.init: {path} has no {exc} ({_layout_hint(params)})") from None
+    except ValueError as exc:  # keys the named layout does not have
+        raise ValueError(f"finetune.init: {path}: {exc} ({_layout_hint(params)})") from None
+    return {k: v for k, v in state.items() if not k.startswith("head.")}
+
+
+def _model_for_weights(params: Params, path: Path, state: dict[str, torch.Tensor]) -> VisionTransformer:
+    """``model.*`` at the weights' patch size and (square) grid, checked to fit them, weights not loaded."""
+    layout = _layout_hint(params)
+    try:
         width, _, ph, pw = state["patch_embed.proj.weight"].shape
         tokens = state["pos_embed"].shape[1] - 1
     except KeyError as exc:
         raise ValueError(f"finetune.init: {path} has no {exc} ({layout})") from None
-    except ValueError as exc:  # keys the named layout does not have
-        raise ValueError(f"finetune.init: {path}: {exc} ({layout})") from None
     side = math.isqrt(tokens)
     if ph != pw or side * side != tokens:
         raise ValueError(f"finetune.init: {path} has {ph}x{pw} patches and {tokens} grid positions, but a weights "
@@ -219,7 +238,6 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
         raise ValueError(f"finetune.init: {path} does not fit model.preset={params.model.preset!r} ({found}); "
                          "set model.preset / embed_dim / depth / num_heads / mlp_ratio to match (a weights "
                          "file does not record num_heads)")
-    model.load_state_dict(state)
     return model
 
 
@@ -257,4 +275,4 @@ def finetune_extra_params(params: Params) -> dict:
     """What the finetune run logs beyond its params section: how the model was moved and from where."""
     ft = params.finetune
     return {"interpolation.mode": ft.interpolation.mode, "interpolation.antialias": ft.interpolation.antialias,
-            "pretrain_image_size": params.pretrain.image_size, "init": ft.init or "models/pretrain"}
+            "pretrain_image_size": params.pretrain.image_size, "init": ft.init or str(PRETRAINED)}

@@ -18,6 +18,20 @@ METRICS = Path("metrics")
 PLOTS = Path("plots")
 PARTIAL = ".partial."  # the prefix of an output being written (.gitignore'd): atomic_write's and pipeline.outputs'
 EXPORTS = Path("exports")
+PRETRAINED = MODELS / "pretrain"  # what the fine-tune starts from with finetune.init: null
+# A shard directory's files besides its tars; DATASET_INFO is written last, so it marks a complete one.
+DATASET_INFO, MANIFEST, BAD_FILES = "dataset.json", "manifest.parquet", "bad_files.json"
+CONFIG_NAME = "config.json"  # a model or export directory's config, written after the weights
+
+
+def metrics_path(stage: str) -> Path:
+    """``metrics/<stage>.json``: a stage's numbers, what DVC and the pipeline run compare."""
+    return METRICS / f"{stage}.json"
+
+
+def history_path(stage: str) -> Path:
+    """A training stage's per-epoch rows (DVC plots, evaluate's curves)."""
+    return PLOTS / f"{stage}_history.csv"
 
 
 def error_summary(exc: BaseException) -> str:

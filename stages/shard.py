@@ -6,15 +6,15 @@ data/shards/<name>/ ({split}-NNNNNN.tar, manifest.parquet, dataset.json, bad_fil
 import sys
 
 from pipeline.cli import run_stage
-from pipeline.config import ConfigError, Params
+from pipeline.config import TRAINING_STAGES, ConfigError, Params
 from pipeline.data import shard_dataset
 from pipeline.data.shard import shard_warnings
 from pipeline.utils import SHARDS
 
 
 def main(params: Params, name: str = "") -> None:
-    if name not in ("pretrain", "finetune"):
-        raise ConfigError(f"usage: python -m stages.shard {{pretrain|finetune}} (got {name!r})")
+    if name not in TRAINING_STAGES:
+        raise ConfigError(f"usage: python -m stages.shard {{{'|'.join(TRAINING_STAGES)}}} (got {name!r})")
     spec = getattr(params.data, name)
     info = shard_dataset(SHARDS / name, spec)
     print(f"[shard:{name}] {spec.source}: {info['counts']} -> {SHARDS / name}/", flush=True)

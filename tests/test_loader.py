@@ -86,7 +86,7 @@ def test_train_invariant_when_streams_wrap(tmp_path, maxcount):
     assert {k for _, _, ks in one[0] for k in ks} == set(all_keys(out, "train"))
     from itertools import islice
     from pipeline.data.loader import _shards
-    from pipeline.data.streams import key_index, stream_pieces, stream_samples
+    from pipeline.data.streams import key_index, open_streams, stream_pieces
     urls, listed = _shards(out, "train")
     shards = [(u, s["count"]) for u, s in zip(urls, listed)]
     for g in (0, 7):
@@ -94,8 +94,8 @@ def test_train_invariant_when_streams_wrap(tmp_path, maxcount):
         assert (pieces is None) == (maxcount == 2000)
         mine = ({k for u, a, b in pieces for k in tar_keys(Path(u))[a:b]} if pieces else
                 {k for u in urls for k in tar_keys(Path(u)) if key_index(k) % 8 == g})
-        got = [(s["__key__"], s["__pass__"]) for s in islice(stream_samples(shards, g, 8, seed=1, epoch=0),
-                                                              3 * len(mine))]
+        stream = open_streams(shards, [g], 8, seed=1, epoch=0)[0]
+        got = [(s["__key__"], s["__pass__"]) for s in islice(stream, 3 * len(mine))]
         for p in range(3):
             assert sorted(k for k, _ in got[p * len(mine):(p + 1) * len(mine)]) == sorted(mine)
             assert {q for _, q in got[p * len(mine):(p + 1) * len(mine)]} == {p}

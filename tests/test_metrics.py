@@ -117,7 +117,7 @@ def test_evaluate_agrees_with_its_csv_files(digits_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     classes = [f"digit {i}, handwritten" for i in range(10)] + ["not in the test split"]
     model = VisionTransformer(ViTConfig(16, 4, embed_dim=32, depth=1, num_heads=2, num_classes=len(classes)))
-    model.reset_classifier(len(classes), init="zeros")
+    model.reset_classifier(len(classes))
     save_model(model, tmp_path / "models/finetune", {"image_size": 16, "classes": classes,
                                                      "normalize": {"mean": [0.5] * 3, "std": [0.5] * 3}})
     # the run says where its numbers were computed (a GPU's name with use_gpu), not the stage process's CPU

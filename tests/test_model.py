@@ -132,7 +132,8 @@ def test_inference_in_place_path_matches_autograd_path(pool):
 def test_torchscript_export_runs_with_grad(pool, tmp_path):
     """The export traces under no_grad; the in-place inference ops must not be baked into the graph, so the
     exported model still backpropagates (saliency, fine-tuning it) and gives the eager model's numbers."""
-    from pipeline.export import export_torchscript, load_torchscript
+    from pipeline.export import export_torchscript
+    from pipeline.predict import load_torchscript
 
     model = _perturb(nano(pool=pool))
     x = torch.randn(3, 3, 16, 16)

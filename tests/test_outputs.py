@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cli, outputs
+from pipeline import cli
 from pipeline.outputs import PARTIAL, StagedOutputs, staged_outputs
 from pipeline.signals import StageInterrupted
 from pipeline.utils import atomic_write_text

@@ -159,13 +159,16 @@ def test_classes_that_do_not_fit_the_model(export_dir, images, tmp_path, capsys,
 
 
 def test_directory_named_like_an_image_is_not_an_image(export_dir, images, capsys):
-    """``sub.png/`` in a listed directory is searched, not reported as an unreadable image."""
+    """``sub.png/`` in a listed directory is searched, not reported as an unreadable image; the image
+    files listed are those the imagefolder source shards (a PGM among them)."""
     (images / "sub.png").mkdir()
     (images / "empty.jpg").mkdir()
     shutil.copy(images / "0.png", images / "sub.png" / "3.png")
+    Image.open(images / "1.png").convert("L").save(images / "gray.pgm")
     assert predict.main([str(images), "--model", str(export_dir), "--format", "torchscript"]) == 0
     captured = capsys.readouterr()
-    assert captured.err == "" and len(captured.out.splitlines()) == 4, captured
+    assert captured.err == "" and len(captured.out.splitlines()) == 5, captured
+    assert str(images / "gray.pgm") in captured.out
 
 
 def test_deep_images_are_the_pixels_training_decodes(export_dir, tmp_path, capsys):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .pixels import IMAGE_EXTS
 from .records import SPLIT_DIRS, check_labels, check_split_names, check_unique, records_from_splits
 from .splits import SourceListing, carve_splits
 
-IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 LAYOUT = "root/<class>/<image> or root/{train,val,test}/<class>/<image>"
 
 

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import TRAINING_STAGES
 from pipeline.storage import file_sizes, is_url, join as _join
+from pipeline.utils import DATASET_INFO
 
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
@@ -50,7 +51,7 @@ for _scheme in _FSSPEC_SCHEMES:  # let webdataset's gopen read object stores thr
 
 def read_dataset_info(shard_dir) -> dict:
     """Load dataset.json from a shard directory or URL prefix (s3://..., memory://...)."""
-    path = _join(shard_dir, "dataset.json")
+    path = _join(shard_dir, DATASET_INFO)
     if not is_url(shard_dir) and not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: {shard_dir} holds no shard stage's output; "
                                 f"{_reshard(shard_dir, 'first')}")
@@ -82,7 +83,7 @@ def check_shard_files(shard_dir, info: dict) -> None:
     sizes were recorded: presence only). Training and evaluation call this before they start: a tar cut
     short by an interrupted copy or sync would otherwise fail on a Ray worker (and again on each retry),
     or, cut at a member boundary, quietly lose samples."""
-    sizes, listing, redo = file_sizes(shard_dir), _join(shard_dir, "dataset.json"), _reshard(shard_dir)
+    sizes, listing, redo = file_sizes(shard_dir), _join(shard_dir, DATASET_INFO), _reshard(shard_dir)
     for shard in (s for split in info["shards"].values() for s in split):
         path, size = _join(shard_dir, shard["name"]), sizes.get(shard["name"])
         if size is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
+# The image files the imagefolder source shards and predict reads from a folder.
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 DEEP_GRAY = ("I", "I;16", "I;16B", "I;16L", "I;16N")  # PIL's 16- and 32-bit integer grayscale modes
 
 

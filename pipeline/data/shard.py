@@ -24,15 +24,15 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from PIL import Image
 
-from pipeline.config import ENCODINGS, DataConfig
+from pipeline.config import DataConfig, check_data
 from pipeline.outputs import StagedOutputs
-from pipeline.utils import apply_umask
+from pipeline.utils import BAD_FILES, DATASET_INFO, MANIFEST, apply_umask
 
 from .codec import decode, encode_ppm
 from .parquet_source import SpoolFull
 from .pixels import BadImage, eight_bit
-from .sources import SOURCES, list_source
-from .splits import EMPTY_SPLIT_EFFECT, SPLITS, Record, SourceListing, check_fraction, check_fractions, why_empty
+from .sources import list_source
+from .splits import EMPTY_SPLIT_EFFECT, SPLITS, Record, SourceListing, why_empty
 
 FORMAT_VERSION = 1
 KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}  # kept byte-for-byte; anything else becomes PNG
@@ -203,7 +203,7 @@ def _write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side
         except BadImage as exn:
             return None, str(exn)
 
-    with _aborting(writers), pq.ParquetWriter(tmp / "manifest.parquet", MANIFEST_SCHEMA) as manifest, \
+    with _aborting(writers), pq.ParquetWriter(tmp / MANIFEST, MANIFEST_SCHEMA) as manifest, \
             ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 2)) as pool:
         for chunk in _chunks(listing.records, 256):
             for rec, (out, err) in zip(chunk, pool.map(run, chunk)):
@@ -246,7 +246,7 @@ def shard_warnings(info: dict, out_dir) -> list[str]:
     if bad:
         per_split = ", ".join(f"{s} {sum(b['split'] == s for b in bad)}" for s in SPLITS)
         notes.append(f"skipped {len(bad)} undecodable image(s) ({per_split}); the list is in "
-                     f"{Path(out_dir) / 'bad_files.json'}")
+                     f"{Path(out_dir) / BAD_FILES}")
     for split, effect in EMPTY_SPLIT_EFFECT.items():
         if info["counts"][split] == 0:
             notes.append(f"the {split} split is empty ({why_empty(info, split)}): {effect}")
@@ -261,8 +261,8 @@ def _check_replaceable(out: Path) -> None:
     """Only an empty dir or a previous shard output may be replaced (never someone's data)."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise FileExistsError(f"out_dir {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "dataset.json").exists():
-        raise FileExistsError(f"out_dir {out} is a non-empty directory without dataset.json; "
+    if out.is_dir() and any(out.iterdir()) and not (out / DATASET_INFO).exists():
+        raise FileExistsError(f"out_dir {out} is a non-empty directory without {DATASET_INFO}; "
                               "refusing to replace it")
 
 
@@ -274,16 +274,7 @@ def shard_dataset(out_dir, spec: DataConfig) -> dict:
     params = dataclasses.asdict(spec)
     params.update(root=None if spec.root is None else str(spec.root),
                   class_names=None if spec.class_names is None else list(spec.class_names))
-    if spec.source not in SOURCES:
-        raise ValueError(f"unknown source {spec.source!r}; valid: {list(SOURCES)}")
-    check_fractions(spec.val_fraction, spec.test_fraction)
-    if spec.maxcount < 1 or spec.maxsize < 1:
-        raise ValueError(f"maxcount ({spec.maxcount}) and maxsize ({spec.maxsize}) must be >= 1")
-    check_fraction("max_bad_fraction", spec.max_bad_fraction)
-    if spec.encoding not in ENCODINGS:
-        raise ValueError(f"unknown encoding {spec.encoding!r}; valid: {list(ENCODINGS)}")
-    if spec.max_side is not None and spec.max_side < 1:
-        raise ValueError(f"max_side={spec.max_side!r}: must be null or >= 1")
+    check_data(spec)
     out = Path(out_dir)
     staged = StagedOutputs([out])  # written beside it, swapped in at the end (what a killed run left goes)
     _check_replaceable(out)
@@ -313,8 +304,8 @@ def shard_dataset(out_dir, spec: DataConfig) -> dict:
             "bad_files": written["bad_files"],
             "params": params,
         }
-        (tmp / "bad_files.json").write_text(json.dumps(written["bad_files"], indent=2) + "\n")
-        (tmp / "dataset.json").write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / BAD_FILES).write_text(json.dumps(written["bad_files"], indent=2) + "\n")
+        (tmp / DATASET_INFO).write_text(json.dumps(info, indent=2) + "\n")
         _check_replaceable(out)
         staged.publish()
     except OSError as exc:

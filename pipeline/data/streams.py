@@ -124,12 +124,6 @@ def open_streams(shards: list[tuple[str, int]], streams: list[int], num_streams:
     return [_pass_shuffled(raw, buffer, f"{seed}:{epoch}:{g}") for g, raw in zip(streams, raws)]
 
 
-def stream_samples(shards: list[tuple[str, int]], g: int, num_streams: int, *, seed: int, epoch: int,
-                   buffer: int = STREAM_BUFFER) -> Iterator[dict]:
-    """Stream g alone (see :func:`open_streams`)."""
-    return open_streams(shards, [g], num_streams, seed=seed, epoch=epoch, buffer=buffer)[0]
-
-
 def _piece_passes(pieces: list[tuple[str, int, int]], g: int, num_streams: int, tag: str,
                   read: Reader) -> Iterator[dict]:
     """Stream g owning ``pieces``: every pass reads them all, in an order seeded by (tag, pass)."""

@@ -19,24 +19,17 @@ def make_config(
     patch_size,
     image_size,
     num_classes: int,
-    pool: str = "cls",
-    dynamic_img_size: bool = False,
-    drop_path_rate: float = 0.0,
     **overrides,
 ) -> ViTConfig:
     """Preset widths + explicit geometry + ``overrides`` (ViTConfig field names)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {sorted(PRESETS)}")
-    valid = {f.name for f in dataclasses.fields(ViTConfig)} - {"_"}
+    valid = {f.name for f in dataclasses.fields(ViTConfig)}
     unknown = sorted(set(overrides) - valid)
     if unknown:
         raise ValueError(f"unknown override(s) {unknown}; valid ViTConfig fields: {sorted(valid)}")
     fields = dict(PRESETS[preset])
-    fields.update(
-        patch_size=patch_size, image_size=image_size, num_classes=num_classes,
-        pool=pool, dynamic_img_size=dynamic_img_size, drop_path_rate=drop_path_rate,
-    )
-    fields.update(overrides)
+    fields.update(patch_size=patch_size, image_size=image_size, num_classes=num_classes, **overrides)
     return ViTConfig(**fields)
 
 

@@ -134,7 +134,7 @@ class ViTConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ViTConfig":
-        valid = [f.name for f in dataclasses.fields(cls) if f.name != "_"]
+        valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(valid))
         if unknown:
             raise ValueError(f"unknown ViTConfig field(s) {unknown}; valid fields: {valid}")

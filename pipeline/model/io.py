@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.utils import atomic_write, error_summary
+from pipeline.utils import CONFIG_NAME, atomic_write, error_summary
 
 from .config import ViTConfig
 from .vit import VisionTransformer
@@ -22,7 +22,6 @@ from .vit import VisionTransformer
 __all__ = ["save_model", "save_config", "load_model", "read_model_file", "ModelFileError", "WEIGHTS_NAME", "CONFIG_NAME"]
 
 WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 REDO = "write it again (a stage's output: dvc repro re-runs the stage that wrote it)"
 
 

@@ -311,20 +311,16 @@ class VisionTransformer(nn.Module):
             self.pos_embed = nn.Parameter(pos, requires_grad=self.pos_embed.requires_grad)
         self.config = new_cfg
 
-    def reset_classifier(self, num_classes: int, *, init: str = "zeros") -> None:
-        """Replace the head for a new label set; ``init`` is ``"zeros"`` or ``"trunc_normal"``."""
-        if init not in ("zeros", "trunc_normal"):
-            raise ValueError(f"init must be 'zeros' or 'trunc_normal', got {init!r}")
+    def reset_classifier(self, num_classes: int) -> None:
+        """Replace the head for a new label set, zero-initialised (as timm's fine-tuning heads): every
+        class starts at the same logit, so the first steps do not undo the pretrained features."""
         new_cfg = dataclasses.replace(self.config, num_classes=num_classes)  # validates num_classes
         ref = self.norm.weight
         if num_classes == 0:
             self.head = nn.Identity()
         else:
             head = nn.Linear(new_cfg.embed_dim, num_classes).to(ref.device, ref.dtype)
-            if init == "zeros":
-                nn.init.zeros_(head.weight)
-            else:
-                nn.init.trunc_normal_(head.weight, std=0.02)
+            nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
             self.head = head
         self.config = new_cfg

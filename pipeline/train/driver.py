@@ -147,13 +147,13 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
         step_hooks: tuple[str, ...] = ()) -> TrainResult:
     """Run (or continue) the planned run on the configured backend; load its final weights into ``model``.
     ``step_hooks`` (``module:function[=argument]``) are called with ``$VIT_STEP_HOOKS``'s."""
-    from pipeline.tracking import resolve_tracking_uri
+    from pipeline.tracking import configured_uri
 
     storage.check_ray_storage(params.ray.storage_path)
     storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
     remote = storage_fs is not None or storage.is_url(storage_path)
     run_dir = None if remote else str(Path(storage_path) / spec.run_name)
-    run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=resolve_tracking_uri(params.tracking_uri),
+    run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=configured_uri(),
                   resume_from=latest_checkpoint(run_dir) if run_dir else None, staging_dir=run_dir,
                   step_hooks=step_hooks_from_env() + tuple(step_hooks))
     loop, world = spec.loop, params.ray.world_size
