@@ -493,6 +493,48 @@ def test_run_name_covers_every_param_the_run_logs(digits_dir):
         assert run_name(**{key: value}) != base, key
 
 
+def test_run_name_changes_with_the_training_code(digits_dir, tmp_path, monkeypatch):
+    """Edited training code is another run: `dvc repro` after the edit trains again (it republished the
+    finished run of the code before). An edit to code outside WEIGHTS_CODE (logging) continues a run; every
+    WEIGHTS_CODE entry is a dvc.yaml dep of both training stages, so DVC re-runs them when the name changes."""
+    import shutil
+
+    import yaml
+
+    from pipeline.config import load_params
+    from pipeline.data import read_dataset_info
+    from pipeline.train import driver
+    from pipeline.training import plan_stage
+
+    root = driver.PACKAGE_ROOT
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    for stage in ("pretrain", "finetune"):
+        assert set(driver.WEIGHTS_CODE) <= set(stages[stage]["deps"]), stage
+    for entry in (*driver.WEIGHTS_CODE, "pipeline/tracking.py"):
+        copy = (shutil.copytree if (root / entry).is_dir() else shutil.copy)
+        (tmp_path / entry).parent.mkdir(parents=True, exist_ok=True)
+        copy(root / entry, tmp_path / entry)
+    base = driver.code_digest(tmp_path)
+    assert base == driver.code_digest(root)
+    with open(tmp_path / "pipeline/tracking.py", "a") as f:
+        f.write("# a logging edit\n")
+    assert driver.code_digest(tmp_path) == base
+    with open(tmp_path / "pipeline/train/step.py", "a") as f:
+        f.write("# a training edit\n")
+    assert driver.code_digest(tmp_path) != base
+
+    params, info = load_params(root / "params.yaml"), read_dataset_info(digits_dir)
+
+    def run_name():
+        torch.manual_seed(0)
+        model = build_vit("nano", patch_size=4, image_size=32, num_classes=10)
+        return plan_stage("finetune", params, params.finetune, model, digits_dir, info)[1].run_name
+
+    before = run_name()
+    monkeypatch.setattr(driver, "code_digest", lambda: "edited")
+    assert run_name() != before
+
+
 def test_input_scaling_reports_each_worker_count(digits_dir):
     """``--input-scaling``: the input alone per loader-worker count in the steady state, with where the CPU
     time goes (this process vs the workers), as the GPU runbook runs it; a bad count is one clear line."""

@@ -2,7 +2,7 @@
 in this process (``ray.backend: local``).
 
 The Ray run name is a hash of everything that defines the run (stage params, model config, data,
-initial weights, world size), so re-running an interrupted stage continues the same Ray run from
+initial weights, world size, the training code), so re-running an interrupted stage continues the same Ray run from
 its last checkpoint (Ray Train V2 restores a run launched again with the same name and storage
 path), while changed params start a fresh one.
 """
@@ -58,6 +58,24 @@ def worker_batch(global_batch: int, world: int) -> int:
     if global_batch % world:
         raise ValueError(f"global batch {global_batch} is not divisible by {world} workers")
     return global_batch // world
+
+
+# The code that decides a run's weights beside its params, data and initial weights (each a dep of both
+# training stages in dvc.yaml): edited, it makes another run, so `dvc repro` trains again instead of
+# republishing the finished run of the code before. Logging, plotting and publishing code is left out, so
+# an edit there still continues an interrupted run.
+WEIGHTS_CODE = ("pipeline/model", "pipeline/train", "pipeline/data", "pipeline/training.py", "pipeline/config.py")
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def code_digest(root: Path = PACKAGE_ROOT) -> str:
+    """The sha256 of :data:`WEIGHTS_CODE`'s Python files under ``root``, their names and bytes."""
+    h = hashlib.sha256()
+    for entry in WEIGHTS_CODE:
+        path = root / entry
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _state_digest(state: dict[str, torch.Tensor]) -> str:
@@ -131,7 +149,7 @@ def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTr
         warmup_steps=warmup_steps, loader_workers=loader_workers(params.ray), verbose=params.ray.verbose)
     # the backend is not part of the identity: a local run and a 1-worker Ray run continue each other
     identity = {**loop.identity(), "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
-                "init": _state_digest(state), "logged": logged or {}}
+                "init": _state_digest(state), "code": code_digest(), "logged": logged or {}}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     return RunSpec(stage=stage, run_name=f"{stage}-{digest[:12]}", loop=loop, init_state=state)
 
