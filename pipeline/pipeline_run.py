@@ -26,6 +26,8 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "model training" experiment type (not GenAI)
 EXP_NAME_ENV = "DVC_EXP_NAME"  # set by DVC for `dvc exp run` (also for queued experiments)
 STAGES = ("pretrain", "finetune", "evaluate", "export")
+# Which stages read a stage's model (dvc.yaml's graph): their files are older than a model trained since.
+DOWNSTREAM = {"pretrain": ("finetune", "evaluate", "export"), "finetune": ("evaluate", "export")}
 # The shards each stage reads, as (dataset, [splits]); a split's context is its MLflow input context.
 STAGE_DATA = {"pretrain": ("pretrain", ["train", "val"]), "finetune": ("finetune", ["train", "val"]),
               "evaluate": ("finetune", ["test"]), "export": ("finetune", ["test"])}
@@ -284,12 +286,14 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished
     """Every other stage that has not run under this pipeline -- DVC found it up to date, or it is still to
     run -- gets its results, producing run and shards from its outputs, tagged reused; a stage that does
     run later replaces them (:func:`stage_finished`). With no metrics file there is nothing to fill in.
-    After a failed stage only those before it: the ones after will not run, and their files are older."""
+    Not a stage that reads the model of one that ran (``dvc repro pretrain`` left the fine-tune's files
+    from the model before), nor, after a failed stage, those after it: they will not run."""
     ran = {finished} | {r.data.tags.get("stage") for r in client.search_runs(
         [experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'stage'", max_results=100)}
+    stale = {s for r in ran for s in DOWNSTREAM.get(r, ())}
     stages = STAGES[:STAGES.index(finished)] if failed and finished in STAGES else STAGES
     for stage in stages:
-        results = {} if stage in ran else stage_results(stage)
+        results = {} if stage in ran or stage in stale else stage_results(stage)
         if not results:
             continue
         producer = _producing_run(client, stage)

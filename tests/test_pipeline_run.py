@@ -314,29 +314,68 @@ def test_stages_dvc_skips_after_the_one_that_runs_are_filled_in_with_their_shard
                       ("finetune-digits-val", "val")]  # finetune's reused shards, evaluate's and export's once
 
 
-def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir):
-    """A full `dvc repro`: when finetune ends, evaluate and export (still to run) are filled in from their
-    previous outputs; when they then run, their own results replace those, and numbers they no longer
-    log (another resolution, a failed export's parity, its registered version) do not stay: a failed export
-    is export.passed 0."""
-    params = load_params("params.yaml")
+def test_downstream_is_dvc_yaml_s_graph():
+    """pipeline_run.DOWNSTREAM: every stage that reads a stage's model, directly or through another."""
+    import yaml
+
+    from pipeline.pipeline_run import DOWNSTREAM, STAGES
+
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    deps = {s: stages[s]["deps"] for s in STAGES}
+
+    def readers(stage: str) -> set[str]:
+        direct = {s for s in STAGES if f"models/{stage}" in deps[s]}
+        return direct.union(*(readers(s) for s in direct))
+
+    assert {s: set(DOWNSTREAM.get(s, ())) for s in STAGES} == {s: readers(s) for s in STAGES}
+
+
+def test_stages_reading_a_model_trained_since_are_not_filled_in(workdir):
+    """`dvc repro pretrain` (or a full repro while it is under way): evaluate's and export's files are
+    those of the model before, so the pipeline run shows none of their numbers (it showed them as this
+    pipeline's); finetune, which reads pretrain's model, neither."""
+    (workdir / "metrics/finetune.json").write_text(json.dumps({"val_top1": 0.75}))
+    (workdir / "metrics/evaluate.json").write_text(json.dumps({"top1": 0.25}))
+    (workdir / "metrics/export.json").write_text(json.dumps(EXPORT_OK))
+    _stage("pretrain", load_params("params.yaml"), {"val_top1": 0.5})
+    _, _, (parent,) = _client_and_parent(workdir)
+    m, t = parent.data.metrics, parent.data.tags
+    assert m["pretrain.val_top1"] == 0.5
+    assert not any(k.startswith(("finetune.", "test_", "export.")) for k in m if not k.endswith(".wall_s")), m
+    assert not any(t.get(f"{s}.reused") == "true" for s in ("finetune", "evaluate", "export")), t
+
+
+def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir, monkeypatch):
+    """Only evaluate and export run (their params changed), in either order: the one still to run is
+    filled in from its previous outputs when the other ends; when it then runs, its own results replace
+    those, and numbers it no longer logs (another resolution, a failed export's parity, its registered
+    version) do not stay: a failed export is export.passed 0."""
     (workdir / "metrics/evaluate.json").write_text(json.dumps({"top1": 0.25, "resolution_sweep": {"24": 0.2}}))
     (workdir / "metrics/export.json").write_text(json.dumps(EXPORT_OK))
-    _stage("finetune", params, {"val_top1": 0.75})
+    monkeypatch.setenv("DVC_EXP_NAME", "export-first")
+    _stage("export", load_params("params.yaml", {"export.opset": 19}), EXPORT_OK)
     _, _, (parent,) = _client_and_parent(workdir)
-    assert parent.data.metrics["test_top1"] == 0.25 and parent.data.metrics["export.passed"] == 1.0
-    assert parent.data.tags["evaluate.reused"] == parent.data.tags["export.reused"] == "true"
-    client, _, _ = _client_and_parent(workdir)
-    client.set_tag(parent.info.run_id, "registered_model", "models:/vit-pipeline/1")  # as an earlier export's
-    _stage("evaluate", params, {"top1": 0.5, "resolution_sweep": {"32": 0.5}})
-    (workdir / "metrics/export.json").unlink()  # DVC removes a stage's outputs before it runs it
-    with pytest.raises(RuntimeError):
-        _stage("export", params, fail=True)
+    assert parent.data.metrics["test_top1"] == 0.25 and parent.data.tags["evaluate.reused"] == "true"
+    _stage("evaluate", load_params("params.yaml", {"export.opset": 19}), {"top1": 0.5, "resolution_sweep": {"32": 0.5}})
     _, _, (parent,) = _client_and_parent(workdir)
     m, t = parent.data.metrics, parent.data.tags
     assert m["test_top1"] == 0.5 and m["top1_at_32px"] == 0.5 and t["evaluate.reused"] == "false"
-    assert m["top1_at_24px"] != m["top1_at_24px"] and m["export.passed"] == 0.0  # NaN; failed
-    assert m["export.onnx.max_abs_diff"] != m["export.onnx.max_abs_diff"] and m["finetune.val_top1"] == 0.75
+    assert m["top1_at_24px"] != m["top1_at_24px"] and m["export.passed"] == 1.0  # NaN
+
+    monkeypatch.setenv("DVC_EXP_NAME", "evaluate-first")
+    params = load_params("params.yaml", {"export.opset": 17})
+    _stage("evaluate", params, {"top1": 0.5})
+    client, _, parents = _client_and_parent(workdir)
+    (parent,) = [p for p in parents if p.info.run_name == "evaluate-first"]
+    assert parent.data.metrics["export.passed"] == 1.0 and parent.data.tags["export.reused"] == "true"
+    client.set_tag(parent.info.run_id, "registered_model", "models:/vit-pipeline/1")  # as an earlier export's
+    (workdir / "metrics/export.json").unlink()  # DVC removes a stage's outputs before it runs it
+    with pytest.raises(RuntimeError):
+        _stage("export", params, fail=True)
+    _, _, parents = _client_and_parent(workdir)
+    (parent,) = [p for p in parents if p.info.run_name == "evaluate-first"]
+    m, t = parent.data.metrics, parent.data.tags
+    assert m["export.passed"] == 0.0 and m["export.onnx.max_abs_diff"] != m["export.onnx.max_abs_diff"]  # NaN
     assert t["export.reused"] == "false" and t["export.status"] == "FAILED" and "registered_model" not in t
 
 
