@@ -363,8 +363,10 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
         check_fraction("max_bad_fraction", d.max_bad_fraction)
     except ValueError as exc:
         raise ConfigError(f"{key}.{exc}") from None
-    for k in ("maxcount", "maxsize", "num_classes", "samples_per_class", "image_size"):
+    for k in ("maxcount", "maxsize", "samples_per_class", "image_size"):
         _positive(f"{key}.{k}", getattr(d, k))
+    if d.num_classes < 2:
+        raise ConfigError(f"{key}.num_classes: {d.num_classes!r} must be >= 2 (a classifier needs two classes)")
     if d.max_side is not None:
         _positive(f"{key}.max_side", d.max_side, nullable=True)
     for k in ("image_column", "label_column"):

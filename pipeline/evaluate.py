@@ -13,7 +13,7 @@ import torch
 from pipeline import storage
 from pipeline.cluster import check_local_capacity, worker_resources
 from pipeline.config import TRAINING_STAGES, Params
-from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info, require_split
+from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info, require_classes, require_split
 from pipeline.data.transforms import eval_augment
 from pipeline.environment import device_name
 from pipeline.inference import Predictions, predict_rank, predict_split, scored_metrics, views_note
@@ -123,6 +123,7 @@ def evaluate(params: Params) -> dict:
     require_split(shard_dir, info, "test")
     check_shard_files(shard_dir, info)
     model, meta = load_model(MODELS / "finetune")
+    require_classes(shard_dir, info, MODELS / "finetune", meta["classes"])
     size, normalize, classes = meta["image_size"], eval_augment(meta), meta["classes"]
     with staged_outputs(*OUTPUTS) as out, \
             stage_run("evaluate", params, extra_params={"model_size": params.model.preset, "image_size": size,

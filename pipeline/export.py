@@ -13,7 +13,7 @@ import torch
 
 from pipeline import storage
 from pipeline.config import Params
-from pipeline.data import make_eval_loader, read_dataset_info, require_split
+from pipeline.data import make_eval_loader, read_dataset_info, require_classes, require_split
 from pipeline.data.transforms import eval_augment
 from pipeline.model import VisionTransformer, load_model, save_config, save_model
 from pipeline.outputs import staged_outputs
@@ -127,7 +127,9 @@ def export(params: Params) -> dict:
     model, meta = load_model(MODELS / "finetune")
     model.eval()
     shard_dir = storage.shard_dir("finetune")
-    require_split(shard_dir, read_dataset_info(shard_dir), "test")
+    info = read_dataset_info(shard_dir)
+    require_split(shard_dir, info, "test")
+    require_classes(shard_dir, info, MODELS / "finetune", meta["classes"])
     cfg = params.export
     images = sample_images(shard_dir, cfg.num_images, meta["image_size"], eval_augment(meta))
     with torch.no_grad():

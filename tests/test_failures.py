@@ -173,6 +173,32 @@ def test_no_test_images_stops_evaluate_and_export_with_the_fix(repo):
 
 
 @pytest.mark.slow
+def test_a_model_of_other_classes_stops_evaluate_and_export(repo):
+    """Shards re-made from another dataset after the fine-tune: evaluate scored the new images under the
+    model's class names and export registered the model, both exiting 0. Now one line naming both lists."""
+    from pipeline.model import build_vit, save_model
+
+    other = [f"c{i}" for i in range(10)]
+    save_model(build_vit("nano", patch_size=4, image_size=32, num_classes=10, depth=1), repo / "models/finetune",
+               {"image_size": 32, "classes": other, "normalize": {"mean": [0.5] * 3, "std": [0.5] * 3}})
+    env = clean_env()
+    try:
+        shard = subprocess.run([sys.executable, "-m", "stages.shard", "finetune"], cwd=repo, env=env,
+                               capture_output=True, text=True, timeout=300)
+        assert shard.returncode == 0, shard.stderr[-2000:]
+        for stage in ("evaluate", "export"):
+            proc = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=repo, env=env, capture_output=True,
+                                  text=True, timeout=120)
+            assert proc.returncode == 1, proc.stderr[-2000:]
+            assert proc.stderr.strip().splitlines() == [
+                f"error: ValueError: models/finetune was trained on the classes {other} but data/shards/finetune "
+                f"holds {[str(i) for i in range(10)]}; train it on these shards (dvc repro finetune)"], stage
+    finally:
+        for out in ("data/shards/finetune", "models/finetune"):
+            shutil.rmtree(repo / out, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_cut_short_shard_stops_the_stage_before_ray(repo):
     """A shard shorter than dataset.json says (an interrupted copy) ends the stage with one line naming
     it, both sizes and what to do, before Ray or MLflow start."""

@@ -690,6 +690,25 @@ def test_imagefolder_layouts_that_would_mislabel_are_one_line(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_one_class_is_refused(tmp_path):
+    """One class trained to top-1 1.0 and exited 0: most often an archive unpacked one level deeper than
+    its classes (root/PetImages/{cat,dog}/), named with the root meant; a one-class folder, parquet file
+    or num_classes: 1 is refused too."""
+    nested = make_imagefolder(tmp_path / "nested" / "PetImages", classes=("cat", "dog"), per_class=2).parent
+    with pytest.raises(ValueError, match=rf"holds one directory, PetImages/, .*did you mean root: "
+                                         rf"{re.escape(str(nested / 'PetImages'))}\?"):
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=nested))
+    single = make_imagefolder(tmp_path / "single", classes=("cat",), per_class=4)
+    with pytest.raises(ValueError, match=r"1 class\(es\) \['cat'\]; a classifier needs at least 2"):
+        shard_dataset(tmp_path / "o", DataConfig(source="imagefolder", root=single))
+    parquet = make_hf_parquet(tmp_path / "pq", classes=("ant",))
+    with pytest.raises(ValueError, match=r"a classifier needs at least 2"):
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=parquet))
+    with pytest.raises(ValueError, match=r"num_classes: 1 must be >= 2"):
+        shard_dataset(tmp_path / "o", DataConfig(source="fractals", num_classes=1))
+    assert not (tmp_path / "o").exists()
+
+
 def test_imagefolder_follows_links_and_keeps_any_file_name(tmp_path):
     """Images in a folder linked into a class are read (as torchvision's ImageFolder does; a link back up
     the tree is read once), and a file name that is not UTF-8 (an old zip's Latin-1) is kept in the

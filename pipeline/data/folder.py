@@ -77,6 +77,9 @@ def list_imagefolder(root: Path) -> dict[str, dict[str, list[str]]]:
         for d in top:
             _check_no_loose_images(root / d, "a split directory")
         return {s: _classes_in(root / d) for s, d in zip(as_splits, top)}
+    if len(top) == 1 and _subdirs(root / top[0]):  # an archive unpacked one level deeper than the classes
+        raise ValueError(f"imagefolder root {root} holds one directory, {top[0]}/, and it holds directories: "
+                         f"one class (a classifier needs at least 2); did you mean root: {root / top[0]}?")
     return {"": _classes_in(root)}
 
 

@@ -104,6 +104,14 @@ def require_split(shard_dir, info: dict, split: str) -> None:
                      f"give the source a {split}/ folder or set {key} above 0, then {_reshard(shard_dir)}")
 
 
+def require_classes(shard_dir, info: dict, model_dir, classes: list[str]) -> None:
+    """A model scored or exported against shards of other classes (re-sharded since it was trained) would
+    name one dataset's images with the other's classes and exit 0: stop, naming both."""
+    if list(classes) != list(info["classes"]):
+        raise ValueError(f"{model_dir} was trained on the classes {list(classes)[:10]} but {shard_dir} holds "
+                         f"{list(info['classes'])[:10]}; train it on these shards (dvc repro finetune)")
+
+
 def eval_reader_shards(shards: list, rank: int, world_size: int, worker: int, num_workers: int):
     """Shards one eval reader opens, plus ``(slot, n_slots)`` for a key-index modulo filter (or None).
     With fewer shards than ranks, rank r's readers take the keys ≡ r (mod W) between them, the count

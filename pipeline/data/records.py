@@ -50,7 +50,10 @@ def check_unique(names: Sequence[str], key: str) -> None:
 
 
 def check_labels(labels: np.ndarray, classes: Sequence[str], where: str) -> None:
-    """Every label must name a class and every class must have at least one sample."""
+    """At least two classes (one trains to a perfect, meaningless score); every label must name a class
+    and every class must have at least one sample."""
+    if len(classes) < 2:
+        raise ValueError(f"{where}: {len(classes)} class(es) {list(classes)}; a classifier needs at least 2")
     labels = np.asarray(labels)
     bad = labels[(labels < 0) | (labels >= len(classes))]
     if bad.size:
