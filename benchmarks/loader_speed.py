@@ -32,7 +32,7 @@ from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.loader import _collate  # noqa: E402
 from pipeline.data.transforms import BatchFinish, SampleTransform, train_transform  # noqa: E402
-from pipeline.utils import DATASET_INFO  # noqa: E402
+from pipeline.utils import DATASET_INFO, positive_int  # noqa: E402
 from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
@@ -77,11 +77,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=Path("/tmp/cifar10"))
     ap.add_argument("--shards", type=Path, default=Path("/tmp/cifar10-train-shards"))
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--image-size", type=int, default=32)
-    ap.add_argument("--batches", type=int, default=60)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=positive_int, default=2)
+    ap.add_argument("--batch-size", type=positive_int, default=256)
+    ap.add_argument("--image-size", type=positive_int, default=32)
+    ap.add_argument("--batches", type=positive_int, default=60)
+    ap.add_argument("--rounds", type=positive_int, default=3)
     args = ap.parse_args()
     train = ensure_data(args.data, args.shards)
     raw_shards = args.shards.with_name(args.shards.name + "-raw")
@@ -126,5 +126,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except FileNotFoundError as exc:  # no CIFAR-10 tarball: one line
+    except (OSError, ValueError) as exc:  # no CIFAR-10 tarball, --shards in the way of the data: one line
         sys.exit(f"error: {exc}")

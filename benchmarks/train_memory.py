@@ -35,6 +35,7 @@ from pipeline.environment import device_name  # noqa: E402
 from pipeline.model import PRESETS, build_vit  # noqa: E402
 from pipeline.train.loop_config import LoopConfig  # noqa: E402
 from pipeline.train.step import Stepper  # noqa: E402
+from pipeline.utils import positive_int  # noqa: E402
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
@@ -95,12 +96,12 @@ def measure(stepper: Stepper, images, labels, steps: int, memory: PeakMemory) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--patch-size", type=int, default=16)
-    ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--classes", type=int, default=1000)
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per measurement")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds without / with checkpointing")
+    ap.add_argument("--patch-size", type=positive_int, default=16)
+    ap.add_argument("--image-size", type=positive_int, default=224)
+    ap.add_argument("--batch", type=positive_int, default=32)
+    ap.add_argument("--classes", type=positive_int, default=1000)
+    ap.add_argument("--steps", type=positive_int, default=2, help="timed steps per measurement")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds without / with checkpointing")
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

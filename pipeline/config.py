@@ -312,6 +312,18 @@ def _positive(key: str, value: float, nullable: bool = False) -> None:
         raise ConfigError(f"{key}: {value!r} must be > 0{' or null' if nullable else ''}")
 
 
+def _seed(key: str, value: int, bound: int) -> None:
+    """A seed the generators take (numpy and scikit-learn: below 2**32; torch: below 2**63)."""
+    if not 0 <= value < bound:
+        raise ConfigError(f"{key}: {value!r} must be in [0, 2**{bound.bit_length() - 1})")
+
+
+def _not_blank(key: str, value: Optional[str], null_means: str) -> None:
+    """``''`` in a path key read as the current folder (``finetune.init: ''`` loaded ./config.json)."""
+    if value is not None and not value.strip():
+        raise ConfigError(f"{key}: {value!r} names nothing; use null ({null_means}) or a path")
+
+
 def _non_negative(key: str, value: float) -> None:
     if value < 0:
         raise ConfigError(f"{key}: {value!r} must be >= 0")
@@ -365,6 +377,7 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
         raise ConfigError(f"{key}.{exc}") from None
     for k in ("maxcount", "maxsize", "samples_per_class", "image_size"):
         _positive(f"{key}.{k}", getattr(d, k))
+    _seed(f"{key}.seed", d.seed, 2**32)
     if d.num_classes < 2:
         raise ConfigError(f"{key}.num_classes: {d.num_classes!r} must be >= 2 (a classifier needs two classes)")
     if d.max_side is not None:
@@ -388,6 +401,9 @@ def _check_model(p: Params) -> None:
     for k in ("embed_dim", "depth", "num_heads"):
         _positive(f"model.{k}", arch[k])
     _model_check(check_heads, arch["embed_dim"], arch["num_heads"], "model.num_heads", "model.embed_dim")
+    if not p.evaluate.resolutions:
+        raise ConfigError("evaluate.resolutions: [] sweeps nothing (list one or more image sizes, e.g. "
+                          f"[{p.finetune.image_size}])")
     ft_patch_key = "model.patch_size" if p.finetune.patch_size is None else "finetune.patch_size"
     _positive(ft_patch_key, p.finetune_patch_size)
     sizes = {"pretrain.image_size": (p.pretrain.image_size, p.model.patch_size, "model.patch_size"),
@@ -412,6 +428,7 @@ def _check_training(stage: str, t: TrainConfig, ranks: int) -> None:
 
     for k in ("epochs", "global_batch_size", "lr", "eval_every", "checkpoint_every_epochs"):
         _positive(f"{stage}.{k}", getattr(t, k))
+    _seed(f"{stage}.seed", t.seed, 2**63)
     for k in ("min_lr", "weight_decay", "warmup_epochs"):  # a negative LR multiplier or decay trains backwards
         _non_negative(f"{stage}.{k}", getattr(t, k))
     if t.min_lr > t.lr:  # the cosine would climb from lr to min_lr
@@ -476,6 +493,9 @@ def _check_cuda_graph(stage: str, t: TrainConfig, ranks: int) -> None:
 
 
 def _check_export_and_ray(p: Params) -> None:
+    _not_blank("finetune.init", p.finetune.init, "the pretrain stage's model")
+    _not_blank("ray.address", p.ray.address, "$RAY_ADDRESS or a local Ray")
+    _not_blank("ray.storage_path", p.ray.storage_path, ".ray_results")
     if not p.export.formats:
         raise ConfigError(f"export.formats: [] exports nothing (list one or more of: {', '.join(EXPORT_FORMATS)})")
     for i, f in enumerate(p.export.formats):
@@ -487,8 +507,13 @@ def _check_export_and_ray(p: Params) -> None:
     _name("mlflow.experiment", p.mlflow.experiment)
     _positive("ray.cpus_per_worker", p.ray.cpus_per_worker)
     _choice("ray.backend", p.ray.backend, BACKENDS)
-    from pipeline.storage import is_url
+    from pipeline.storage import check_location, is_url
 
+    if p.ray.storage_path:
+        try:
+            check_location(p.ray.storage_path, "ray.storage_path:")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if p.ray.backend == "local" and p.ray.storage_path and is_url(p.ray.storage_path):
         raise ConfigError(f"ray.storage_path: {p.ray.storage_path!r} with ray.backend: local: the local runner writes "
                           f"checkpoints to a local directory (null: .ray_results); object storage needs backend: ray")

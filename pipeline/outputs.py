@@ -12,6 +12,7 @@ puts it back before it starts.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from contextlib import contextmanager
@@ -129,8 +130,10 @@ def _check_writable(directory: Path) -> None:
         probe.touch()
         probe.unlink()
     except OSError as exc:
+        fix = ("a file is in the way on this path: move it aside" if exc.errno in (errno.EEXIST, errno.ENOTDIR)
+               else "fix its permissions or free space")
         raise OSError(exc.errno, f"cannot write stage outputs into {directory}/ ({exc.strerror}); "
-                                 f"fix its permissions or free space, then re-run the stage") from None
+                                 f"{fix}, then re-run the stage") from None
 
 
 def _remove(path: Path, ignore_errors: bool = False) -> None:

@@ -42,6 +42,15 @@ def is_url(path) -> bool:
     return "://" in str(path)
 
 
+def check_location(path, what: str) -> None:
+    """``s3:/bucket/x`` (one slash) is a local folder named ``s3:``: a push there uploaded nothing and
+    exited 0. Refused, with the URL meant."""
+    scheme, sep, rest = str(path).partition(":/")
+    if sep and not rest.startswith("/") and len(scheme) > 1 and scheme.replace("+", "").replace("-", "").isalnum():
+        raise ValueError(f"{what}{' ' if what else ''}{path!r}: a URL needs two slashes: did you mean "
+                         f"{scheme}://{rest}?")
+
+
 def join(base, *names: str) -> str:
     """``join("s3://b/x", "y")`` -> ``"s3://b/x/y"``; local paths joined with the OS separator."""
     if is_url(base):
@@ -54,6 +63,7 @@ def shard_dir(name: str, default_root: str | os.PathLike = SHARDS):
     root = os.environ.get(SHARDS_URL_ENV)
     if not root:
         return Path(default_root) / name
+    check_location(root, f"${SHARDS_URL_ENV}:")
     if not is_url(root):
         return Path(root) / name
     try:
@@ -289,6 +299,8 @@ def list_objects(url: str) -> list[str]:
 def _pairs(items: list[str], what: str) -> list[tuple[str, str]]:
     if not items or len(items) % 2:
         raise ValueError(f"expected {what} pairs, got {items}")
+    for item in items:
+        check_location(item, "")
     return list(zip(items[::2], items[1::2]))
 
 
@@ -342,6 +354,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m pipeline.stora
                 got = download_dir(url, local, missing_ok=args.missing_ok)
                 print(f"[storage] {url} -> {local}" if got else f"[storage] nothing under {url}", flush=True)
         else:
+            check_location(args.url, "")
             names = list_objects(args.url)
             if not names:
                 raise FileNotFoundError(f"nothing under {args.url}")

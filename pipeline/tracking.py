@@ -58,6 +58,9 @@ def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
     refuses the URI (a scheme it does not know; its file store, which MLflow 3 turns down by default)."""
     if uri.startswith(SQLITE):
         return _check_sqlite(Path(uri[len(SQLITE):]))
+    if uri.startswith("sqlite:"):  # SQLAlchemy's "Invalid SQLite URL" came as a page of traceback
+        raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: a sqlite store is {SQLITE}<path>, three slashes before a "
+                          f"relative path ({DEFAULT_TRACKING_URI}), four before an absolute one")
     if not uri.startswith(("http://", "https://")):
         return _check_other_store(uri)
     try:
@@ -89,7 +92,7 @@ def _check_other_store(uri: str) -> None:
 
     try:
         MlflowClient(uri)  # opens the tracking and model-registry stores the URI names
-    except (MlflowException, ImportError) as exc:  # ImportError: a database driver not installed
+    except Exception as exc:  # noqa: BLE001 - also ImportError (a database driver not installed), SQLAlchemy's
         why = exc.message.strip() if isinstance(exc, MlflowException) else error_summary(exc)
         raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: MLflow cannot use it ({why}); use "
                           f"{DEFAULT_TRACKING_URI} (the default) or an http(s):// tracking server") from None

@@ -89,6 +89,18 @@ def test_params_yaml_and_code_defaults_agree():
     ({"pretrain.grad_clip": -1}, ["pretrain.grad_clip", "-1.0", "> 0 or null"]),
     ({"finetune.grad_clip": 0}, ["finetune.grad_clip", "0.0", "> 0 or null"]),
     ({"pretrain.min_lr": -1}, ["pretrain.min_lr", "-1.0", ">= 0"]),
+    # a seed the generators refuse only at shard time or at the first step, in their own words
+    ({"data.finetune.seed": -1}, ["data.finetune.seed: -1 must be in [0, 2**32)"]),
+    ({"data.pretrain.seed": 2**32}, ["data.pretrain.seed: 4294967296 must be in [0, 2**32)"]),
+    ({"pretrain.seed": 2**70}, ["pretrain.seed", "must be in [0, 2**63)"]),
+    ({"data.pretrain.num_classes": 1}, ["data.pretrain.num_classes: 1 must be >= 2"]),
+    ({"evaluate.resolutions": []}, ["evaluate.resolutions: [] sweeps nothing", "[32]"]),
+    # '' read as the current folder
+    ({"finetune.init": ""}, ["finetune.init: '' names nothing", "null (the pretrain stage's model)"]),
+    ({"ray.address": " "}, ["ray.address: ' ' names nothing"]),
+    ({"ray.storage_path": ""}, ["ray.storage_path: '' names nothing"]),
+    ({"ray.storage_path": "s3:/bucket/runs"}, ["ray.storage_path: 's3:/bucket/runs': a URL needs two slashes",
+                                               "s3://bucket/runs?"]),
     ({"ray.backend": "local", "ray.storage_path": "s3://bucket/runs"},
      ["ray.storage_path: 's3://bucket/runs' with ray.backend: local", "object storage needs backend: ray"]),
     ({"export.max_abs_diff": -1}, ["export.max_abs_diff", "-1", ">= 0"]),

@@ -42,14 +42,17 @@ def _tree(d: Path) -> dict[str, bytes]:
     (["ls", "gs://bucket/x"], "error: ValueError: gs://bucket/x: cannot open this URL (Please install gcsfs"),
     (["pull", "foo://bucket/x", "{tmp}/y"], "error: ValueError: foo://bucket/x: cannot open this URL (Protocol not"),
     (["push", "{tmp}", "s3://"], "error: ValueError: s3://: names no bucket (valid: s3://BUCKET or s3://BUCKET/"),
-], ids=["ls-nothing", "scheme-without-package", "unknown-scheme", "s3-without-bucket"])
+    (["push", "{tmp}", "s3:/bucket/y"], "error: ValueError: 's3:/bucket/y': a URL needs two slashes: did you mean "
+                                        "s3://bucket/y?"),
+    (["ls", "s3:/bucket"], "error: ValueError: 's3:/bucket': a URL needs two slashes"),
+], ids=["ls-nothing", "scheme-without-package", "unknown-scheme", "s3-without-bucket", "one-slash", "ls-one-slash"])
 def test_cli_bad_location_is_one_line(tmp_path, capsys, argv, needle):
     """`vit-pipeline storage` on nothing, or on a URL scheme this install cannot open: exit 1 in one line
     (before: `ls` printed nothing and exited 0, a gs:// URL ended in an ImportError traceback)."""
     assert storage.main([a.format(tmp=tmp_path) for a in argv]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(needle.format(tmp=tmp_path)) and err.count("\n") == 1, err
-    assert not (tmp_path / "y").exists()
+    assert not (tmp_path / "y").exists() and not Path("s3:").exists()  # one slash made a local folder s3:/
 
 
 def test_push_and_pull_a_shared_folder(local_shards, tmp_path):
@@ -170,6 +173,10 @@ def test_cli_file_in_the_way_is_one_line(src_and_cwd, tmp_path, capsys, argv, ne
 def test_shards_url_with_unusable_scheme_names_the_variable(monkeypatch):
     monkeypatch.setenv(storage.SHARDS_URL_ENV, "gs://bucket/ws")
     with pytest.raises(ValueError, match=r"^\$VIT_SHARDS_URL: gs://bucket/ws: cannot open this URL"):
+        storage.shard_dir("pretrain")
+    monkeypatch.setenv(storage.SHARDS_URL_ENV, "s3:/bucket/ws")
+    with pytest.raises(ValueError, match=r"^\$VIT_SHARDS_URL: 's3:/bucket/ws': a URL needs two slashes: did you mean "
+                                         r"s3://bucket/ws\?"):
         storage.shard_dir("pretrain")
     monkeypatch.setenv(storage.SHARDS_URL_ENV, "s3://bucket/ws")
     assert storage.shard_dir("pretrain") == "s3://bucket/ws/pretrain"

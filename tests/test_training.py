@@ -153,6 +153,9 @@ def test_tracking_uri_mlflow_refuses_is_named(tmp_path, monkeypatch):
         check_tracking_uri("mysql://u@127.0.0.1:9/db")
     with pytest.raises(ConfigError, match="filesystem tracking backend"):
         check_tracking_uri(str(tmp_path / "mlruns"))
+    with pytest.raises(ConfigError, match=r"^MLFLOW_TRACKING_URI=sqlite://mlflow.db: a sqlite store is "
+                                          r"sqlite:///<path>, three slashes .*\(sqlite:///mlflow.db\)"):
+        check_tracking_uri("sqlite://mlflow.db")  # was SQLAlchemy's traceback
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     check_tracking_uri(str(tmp_path / "mlruns"))
 
