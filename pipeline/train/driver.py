@@ -266,7 +266,12 @@ def _ray_trainer(spec: RunSpec, run: LoopRun, params: Params, storage_path: str,
 
     from pipeline.train.worker import train_loop_per_worker
 
-    return TorchTrainer(
+    class StageTrainer(TorchTrainer):
+        def _register_sigint_handler(self, controller) -> None:
+            """Ray Train's own Ctrl-C handler left out (it aborted the run and exited 1 in silence): the
+            stage's (:mod:`pipeline.signals`) stops it as it stops a SIGTERM, KILLED and resumable."""
+
+    return StageTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": spec.loop, "run": dataclasses.replace(run, init_state=ray.put(run.init_state))},
         scaling_config=ScalingConfig(num_workers=params.ray.num_workers, use_gpu=params.ray.use_gpu,
