@@ -86,6 +86,16 @@ def check_tracking_uri(uri: str, timeout: float = 3.0) -> None:
             f"or unset MLFLOW_TRACKING_URI to log to {DEFAULT_TRACKING_URI}") from None
 
 
+def check_artifact_location(uri: str, experiment) -> None:
+    """An experiment created through an MLflow server keeps its artifacts behind it (``mlflow-artifacts:``):
+    a stage logging to the same store file without the server failed at its first artifact in a page of
+    traceback. Stop before the work, saying what to use."""
+    if experiment.artifact_location.startswith("mlflow-artifacts:") and not uri.startswith(("http://", "https://")):
+        raise ConfigError(f"mlflow.experiment {experiment.name!r} in {uri} was created through an MLflow server "
+                          f"(its artifacts are at {experiment.artifact_location}, behind the server): set "
+                          f"MLFLOW_TRACKING_URI to that server's http:// address, or another mlflow.experiment")
+
+
 def _check_other_store(uri: str) -> None:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -167,6 +177,7 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     check_tracking_uri(uri)
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.set_experiment(params.mlflow.experiment)
+    check_artifact_location(uri, experiment)
     client = MlflowClient(uri)
     pipeline_run.mark_training_experiment(client, experiment)
     base_tags = {**git_info(), "dvc.lock": file_hash("dvc.lock")}

@@ -510,3 +510,19 @@ def test_a_failed_pipeline_run_keeps_what_it_reused_and_a_failed_export_its_numb
         del os.environ["DVC_EXP_NAME"]
     (other,) = [p for p in _client_and_parent(workdir)[2] if p.info.run_name == "other"]
     assert "test_top1" not in client.get_run(other.info.run_id).data.metrics
+
+
+def test_an_experiment_made_through_a_server_is_named_without_it(workdir):
+    """infra/mlflow-server.sh serves the repository's store: an experiment it created keeps its artifacts
+    behind the server, and a stage logging to the file directly failed at its first artifact with a page
+    of traceback. Now a ConfigError (exit 2) before any run starts, naming what to set."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.config import ConfigError
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    client.create_experiment("vit-pipeline", artifact_location="mlflow-artifacts:/1")
+    with pytest.raises(ConfigError, match=r"^mlflow.experiment 'vit-pipeline' in sqlite:///.*mlflow.db was created "
+                                          r"through an MLflow server .*set MLFLOW_TRACKING_URI to that server's"):
+        _stage("evaluate", load_params("params.yaml"), {"top1": 0.5})
+    assert client.search_runs([client.get_experiment_by_name("vit-pipeline").experiment_id]) == []
