@@ -127,12 +127,13 @@ def _check_sqlite(path: Path) -> None:
 
 
 GIT_ENV = {"git.commit": "VIT_GIT_COMMIT", "git.dirty": "VIT_GIT_DIRTY"}  # a cluster job's: infra/submit.sh sets them
-# what the pipeline itself rewrites in git (DVC's lock, the metrics and plots it keeps in git): not "dirty"
-OWN_OUTPUTS = tuple(f":(top,exclude){p}" for p in ("dvc.lock", METRICS, PLOTS))
+# Not "dirty": what the pipeline itself rewrites in git (DVC's lock, the metrics and plots it keeps in git),
+# and params.yaml, which every run logs in full (each `dvc exp run -S` edits it: every experiment was dirty).
+NOT_CODE = tuple(f":(top,exclude){p}" for p in ("dvc.lock", METRICS, PLOTS, "params.yaml"))
 
 
 def git_info(cwd: str | os.PathLike = ".") -> dict[str, str]:
-    """The commit and whether code or params differ from it (the stages' own outputs aside). Without a
+    """The commit and whether the code differs from it (params.yaml and the stages' own outputs aside). Without a
     git checkout (a cluster job's uploaded code has no .git) the submitter's, from ``GIT_ENV``."""
     def git(*args: str) -> str:
         try:
@@ -145,7 +146,7 @@ def git_info(cwd: str | os.PathLike = ".") -> dict[str, str]:
     if not commit:
         return {"git.commit": os.environ.get(GIT_ENV["git.commit"]) or "unknown",
                 "git.dirty": os.environ.get(GIT_ENV["git.dirty"]) or "false"}
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ":/", *OWN_OUTPUTS))
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ":/", *NOT_CODE))
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
 
 

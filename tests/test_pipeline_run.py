@@ -379,10 +379,11 @@ def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir, monkeyp
     assert t["export.reused"] == "false" and t["export.status"] == "FAILED" and "registered_model" not in t
 
 
-def test_git_dirty_is_about_code_and_params_not_the_pipelines_own_outputs(workdir, monkeypatch):
+def test_git_dirty_is_about_code_not_params_or_the_pipelines_own_outputs(workdir, monkeypatch):
     """``git.dirty`` stays false while the stages rewrite what they keep in git (metrics/, plots/,
-    dvc.lock), and turns true for an uncommitted params change; without a checkout (a cluster job's
-    upload) the tags are the ones infra/submit.sh passes."""
+    dvc.lock) and for a params.yaml edit (every `dvc exp run -S` makes one; the runs log the params in
+    full), and turns true for an uncommitted code change; without a checkout (a cluster job's upload) the
+    tags are the ones infra/submit.sh passes."""
     import subprocess
 
     from mlflow.tracking import MlflowClient
@@ -394,7 +395,9 @@ def test_git_dirty_is_about_code_and_params_not_the_pipelines_own_outputs(workdi
     (workdir / "dvc.lock").write_text("schema: '2.0'\n")
     (workdir / "metrics/pretrain.json").write_text("{}")
     git("init", "-q")
-    git("add", "params.yaml", "dvc.lock", "metrics")
+    (workdir / "pipeline").mkdir()
+    (workdir / "pipeline/code.py").write_text("x = 1\n")
+    git("add", "params.yaml", "dvc.lock", "metrics", "pipeline")
     git("commit", "-qm", "pipeline")
     params = load_params("params.yaml")
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
@@ -404,7 +407,10 @@ def test_git_dirty_is_about_code_and_params_not_the_pipelines_own_outputs(workdi
     with open(workdir / "params.yaml", "a") as f:
         f.write("# an edit\n")
     third = _stage("evaluate", params, {"top1": 0.6})
-    assert [client.get_run(r).data.tags["git.dirty"] for r in (first, second, third)] == ["false", "false", "true"]
+    (workdir / "pipeline/code.py").write_text("x = 2\n")
+    fourth = _stage("evaluate", params, {"top1": 0.6})
+    assert [client.get_run(r).data.tags["git.dirty"] for r in (first, second, third, fourth)] == [
+        "false", "false", "false", "true"]
 
     shutil.rmtree(workdir / ".git")
     monkeypatch.setenv("VIT_GIT_COMMIT", "0123abc")
