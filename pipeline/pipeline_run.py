@@ -203,10 +203,10 @@ def stage_results(stage: str) -> dict[str, float]:
     """The numbers of ``metrics/<stage>.json`` worth comparing across pipelines, keyed for the parent."""
     m = _read_metrics(stage)
     out: dict[str, float] = {}
-    if stage in TRAINING_STAGES:
-        for k in ("val_top1", "val_loss", "train_loss", "train_top1", "kept_val_top1", "kept_epoch"):
-            if isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool):
-                out[f"{stage}.{k}"] = float(m[k])
+    if stage in TRAINING_STAGES:  # every number: time to accuracy (time_to_top1_90_s, ...) compared across runs
+        for k, v in m.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[f"{stage}.{k}"] = float(v)
     elif stage == "evaluate":
         for k in TEST_METRICS:
             if isinstance(m.get(k), (int, float)):

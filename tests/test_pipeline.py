@@ -135,6 +135,8 @@ def test_pipeline_run_is_what_you_compare(repro):
     assert m["export.passed"] == 1.0 and m["export.onnx.top1_agreement"] == 1.0
     ft = json.loads((repo / "metrics/finetune.json").read_text())
     assert m["finetune.val_top1"] == pytest.approx(ft["val_top1"]) and "pretrain.val_top1" in m
+    assert m["finetune.wall_time_s"] == pytest.approx(ft["wall_time_s"])  # every number, time to accuracy too
+    assert {f"finetune.{k}" for k, v in ft.items() if type(v) in (int, float)} <= set(m)
     for stage, child in children.items():  # each stage's wall time: its process, so at least its MLflow run
         assert m[f"{stage}.wall_s"] >= (child.info.end_time - child.info.start_time) / 1000 - 0.01
         assert t[f"{stage}.run_id"] == child.info.run_id and t[f"{stage}.status"] == "FINISHED"
