@@ -242,6 +242,9 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, tmp_path):
     assert set(names) <= set(shown)
     diff = run(["dvc", "plots", "diff", *names, "--json"], repo, timeout=300)
     assert diff.returncode == 0 and all(n in diff.stdout for n in names), diff.stderr[-2000:]
+    drawn = set(json.loads(diff.stdout)["data"])  # the CSVs only through the plots that name their columns
+    assert {"Training curves (loss)", "Training curves (top-1)", "Confusion matrix", "plots/per_class.csv"} <= drawn
+    assert not {"plots/pretrain_history.csv", "plots/confusion.csv"} & drawn, drawn  # were step vs wall_time_s
 
     client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
     exp = client.get_experiment_by_name("vit-pipeline")
