@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import TRAINING_STAGES, Params, flatten
-from pipeline.utils import CONFIG_NAME, MODELS, PRETRAINED, metrics_path
+from pipeline.utils import MODELS, PRETRAINED, metrics_path, model_run_id
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "model training" experiment type (not GenAI)
@@ -254,13 +254,13 @@ def log_results(client, parent: str, metrics: dict[str, float]) -> None:
 
 def _producing_run(client, stage: str):
     """For a skipped stage: the MLflow run that made its output -- a training stage's id is in
-    models/<stage>/config.json, export's is the source run of the version metrics/export.json names."""
+    models/<stage>/mlflow_run_id, export's is the source run of the version metrics/export.json names."""
     try:
         if stage == "export":
             version = _read_metrics("export")["registered_model"]
             run_id = client.get_model_version(version["name"], str(version["version"])).run_id
         else:
-            run_id = json.loads((MODELS / stage / CONFIG_NAME).read_text()).get("mlflow_run_id")
+            run_id = model_run_id(MODELS / stage)
         return client.get_run(run_id) if run_id else None
     except Exception:  # noqa: BLE001 - another store, a deleted run: the metrics file still counts
         return None

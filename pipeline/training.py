@@ -22,7 +22,7 @@ from pipeline import storage
 from pipeline.tracking import stage_params, stage_run
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
-from pipeline.utils import CONFIG_NAME, MODELS, PLOTS, PRETRAINED, atomic_write_json, history_path, metrics_path
+from pipeline.utils import CONFIG_NAME, MODELS, PLOTS, PRETRAINED, RUN_ID_FILE, atomic_write_json, history_path, metrics_path
 
 
 def _extra_params(params: Params, recipe: TrainConfig, model: VisionTransformer, info: dict) -> dict:
@@ -68,8 +68,8 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
         numbers = {k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))}
         mlflow.log_metrics(numbers, step=summary["step"])  # at the last step: a chart of wall_time_s ends there
         mlflow.set_tags({"kept_weights": kept["source"], "kept_reason": kept["reason"]})
-        meta = {**model_meta(stage, recipe, info, result.run_name), "mlflow_run_id": run.info.run_id}
-        save_model(result.model, out[model_dir], extra=meta)
+        save_model(result.model, out[model_dir], extra=model_meta(stage, recipe, info, result.run_name))
+        (out[model_dir] / RUN_ID_FILE).write_text(run.info.run_id + "\n")
         atomic_write_json(out[metrics_file], summary)
         write_history(result.history, out[history_csv])
         plot_history({stage: result.history}, out[curves_png])
