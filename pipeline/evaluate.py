@@ -129,7 +129,11 @@ def evaluate(params: Params) -> dict:
     with staged_outputs(*OUTPUTS) as out, \
             stage_run("evaluate", params, extra_params={"model_size": params.model.preset, "image_size": size,
                                                         "patch_size": model.config.patch_size[0],
-                                                        "world_size": params.ray.world_size},
+                                                        "world_size": params.ray.world_size,
+                                                        # the resolution sweep resizes the position grid so
+                                                        "interpolation.mode": params.finetune.interpolation.mode,
+                                                        "interpolation.antialias":
+                                                            params.finetune.interpolation.antialias},
                       tags=model_run_tag(meta)):
         scored, device = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
         mlflow.set_tag("env.device", device)  # the test numbers' device, not this process's CPU (stage_run's)

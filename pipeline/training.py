@@ -22,7 +22,8 @@ from pipeline import storage
 from pipeline.tracking import stage_params, stage_run
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
-from pipeline.utils import CONFIG_NAME, MODELS, PLOTS, PRETRAINED, RUN_ID_FILE, atomic_write_json, history_path, metrics_path
+from pipeline.utils import (CONFIG_NAME, MODELS, PLOTS, PRETRAINED, RUN_ID_FILE, atomic_write_json, history_path,
+                            metrics_path, model_run_id)
 
 
 def _extra_params(params: Params, recipe: TrainConfig, model: VisionTransformer, info: dict) -> dict:
@@ -55,6 +56,8 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
 
     tags = {"dataset.manifest": storage.manifest_digest(shard_dir),
             "dataset.source": info["source"]}
+    if stage == "finetune" and not params.finetune.init and model_run_id(PRETRAINED):  # lineage, not a param:
+        tags["pretrain.run_id"] = model_run_id(PRETRAINED)  # params name the run (a resumed one keeps them)
     extra = run_params(stage, params, recipe, model, info)
     recipe, spec = plan_stage(stage, params, recipe, model, shard_dir, info)
     model_dir, metrics_file = MODELS / stage, metrics_path(stage)

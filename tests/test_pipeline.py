@@ -100,6 +100,10 @@ def test_mlflow_runs(repro):
     assert pre.data.params["image_size"] == "16" and ft.data.params["image_size"] == "32"
     assert ft.data.params["finetune.interpolation.mode"] == "bicubic"
     assert ft.data.params["interpolation.antialias"] == "True"
+    assert ft.data.tags["pretrain.run_id"] == pre.info.run_id  # the run of the weights it started from
+    evaluate = by_stage["evaluate"][0]  # its resolution sweep resizes the position grid this way
+    assert (evaluate.data.params["interpolation.mode"], evaluate.data.params["interpolation.antialias"]) == (
+        "bicubic", "True")
     assert len(client.get_metric_history(pre.info.run_id, "train_loss")) == 2
     assert "val_top1" in ft.data.metrics and pre.data.tags["git.commit"] != "unknown"
     parents = {r.data.tags["mlflow.parentRunId"] for v in by_stage.values() for r in v}
@@ -242,9 +246,12 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, tmp_path):
     assert set(names) <= set(shown)
     diff = run(["dvc", "plots", "diff", *names, "--json"], repo, timeout=300)
     assert diff.returncode == 0 and all(n in diff.stdout for n in names), diff.stderr[-2000:]
-    drawn = set(json.loads(diff.stdout)["data"])  # the CSVs only through the plots that name their columns
-    assert {"Training curves (loss)", "Training curves (top-1)", "Confusion matrix", "plots/per_class.csv"} <= drawn
-    assert not {"plots/pretrain_history.csv", "plots/confusion.csv"} & drawn, drawn  # were step vs wall_time_s
+    drawn = json.loads(diff.stdout)["data"]
+    assert {"Training curves (loss)", "Training curves (top-1)", "Confusion matrix", "plots/per_class.csv"} <= set(drawn)
+    for plot, axes in (("plots/pretrain_history.csv", {"epoch", "val_top1"}),  # DVC drew step vs wall_time_s
+                       ("plots/confusion.csv", {"actual", "predicted"})):      # and step vs predicted
+        fields = set(re.findall(r'"field": "(\w+)"', json.dumps(drawn[plot][0]["content"])))
+        assert axes <= fields and not {"step", "wall_time_s"} & fields, (plot, fields)
 
     client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
     exp = client.get_experiment_by_name("vit-pipeline")
