@@ -24,7 +24,7 @@ from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.registry import model_run_tag
 from pipeline.tracking import stage_run
 from pipeline.train.context import local_device
-from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text, csv_text, trained_by
+from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text, csv_text
 
 
 def distributed_predict(model: VisionTransformer, shard_dir, split: str, params: Params, *, image_size: int,
@@ -123,7 +123,6 @@ def evaluate(params: Params) -> dict:
     require_split(shard_dir, info, "test")
     check_shard_files(shard_dir, info)
     model, meta = load_model(MODELS / "finetune")
-    meta.update(trained_by(MODELS / "finetune"))
     require_classes(shard_dir, info, MODELS / "finetune", meta["classes"])
     size, normalize, classes = meta["image_size"], eval_augment(meta), meta["classes"]
     with staged_outputs(*OUTPUTS) as out, \

@@ -20,7 +20,7 @@ from pipeline.outputs import staged_outputs
 from pipeline.predict import MODEL_FILES, RUNNERS
 from pipeline.registry import EXPORT_ARTIFACTS, model_run_tag, record_version
 from pipeline.tracking import stage_run
-from pipeline.utils import EXPORTS, METRICS, MODELS, atomic_write_json, trained_by
+from pipeline.utils import EXPORTS, METRICS, MODELS, atomic_write_json
 
 # The model's code travels with it; by location, not "pipeline" relative to the current directory
 # (a cluster job runs in its workspace, not in the checkout).
@@ -125,7 +125,6 @@ def export_formats(model: VisionTransformer, images: torch.Tensor, reference: to
 
 def export(params: Params) -> dict:
     model, meta = load_model(MODELS / "finetune")
-    meta.update(trained_by(MODELS / "finetune"))  # exports/config.json keeps the lineage
     model.eval()
     shard_dir = storage.shard_dir("finetune")
     info = read_dataset_info(shard_dir)

@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import TRAINING_STAGES, Params, flatten
-from pipeline.utils import MODELS, PRETRAINED, metrics_path, model_run_id
+from pipeline.utils import MODELS, PRETRAINED, metrics_path, trained_by
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "model training" experiment type (not GenAI)
@@ -254,13 +254,13 @@ def log_results(client, parent: str, metrics: dict[str, float]) -> None:
 
 def _producing_run(client, stage: str):
     """For a skipped stage: the MLflow run that made its output -- a training stage's id is in
-    models/<stage>/mlflow_run_id, export's is the source run of the version metrics/export.json names."""
+    models/<stage>/config.json, export's is the source run of the version metrics/export.json names."""
     try:
         if stage == "export":
             version = _read_metrics("export")["registered_model"]
             run_id = client.get_model_version(version["name"], str(version["version"])).run_id
         else:
-            run_id = model_run_id(MODELS / stage)
+            run_id = trained_by(MODELS / stage)
         return client.get_run(run_id) if run_id else None
     except Exception:  # noqa: BLE001 - another store, a deleted run: the metrics file still counts
         return None
@@ -286,11 +286,14 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished
     """Every other stage that has not run under this pipeline -- DVC found it up to date, or it is still to
     run -- gets its results, producing run and shards from its outputs, tagged reused; a stage that does
     run later replaces them (:func:`stage_finished`). With no metrics file there is nothing to fill in.
-    Not a stage that reads the model of one that ran (``dvc repro pretrain`` left the fine-tune's files
-    from the model before), nor, after a failed stage, those after it: they will not run."""
-    ran = {finished} | {r.data.tags.get("stage") for r in client.search_runs(
-        [experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'stage'", max_results=100)}
-    stale = {s for r in ran for s in DOWNSTREAM.get(r, ())}
+    Not a stage that reads the model of one that trained under it (``dvc repro pretrain`` left the
+    fine-tune's files from the model before), nor, after a failed stage, those after it: they will not run."""
+    runs = client.search_runs([experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'stage'",
+                              max_results=100)
+    ran = {finished} | {r.data.tags.get("stage") for r in runs}
+    # a re-run of a finished training run (ray.previous_mlflow_run) published the same model again
+    trained = {r.data.tags.get("stage") for r in runs if "ray.previous_mlflow_run" not in r.data.tags}
+    stale = {s for r in trained for s in DOWNSTREAM.get(r, ())}
     stages = STAGES[:STAGES.index(finished)] if failed and finished in STAGES else STAGES
     for stage in stages:
         results = {} if stage in ran or stage in stale else stage_results(stage)

@@ -22,8 +22,8 @@ from pipeline import storage
 from pipeline.tracking import stage_params, stage_run
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
-from pipeline.utils import (CONFIG_NAME, MODELS, PLOTS, PRETRAINED, RUN_ID_FILE, atomic_write_json, history_path,
-                            metrics_path, model_run_id)
+from pipeline.utils import (CONFIG_NAME, MODELS, PLOTS, PRETRAINED, atomic_write_json, history_path, metrics_path,
+                            trained_by)
 
 
 def _extra_params(params: Params, recipe: TrainConfig, model: VisionTransformer, info: dict) -> dict:
@@ -56,8 +56,8 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
 
     tags = {"dataset.manifest": storage.manifest_digest(shard_dir),
             "dataset.source": info["source"]}
-    if stage == "finetune" and not params.finetune.init and model_run_id(PRETRAINED):  # lineage, not a param:
-        tags["pretrain.run_id"] = model_run_id(PRETRAINED)  # params name the run (a resumed one keeps them)
+    if stage == "finetune" and not params.finetune.init and trained_by(PRETRAINED):  # lineage, not a param:
+        tags["pretrain.run_id"] = trained_by(PRETRAINED)  # params name the run (a resumed one keeps them)
     extra = run_params(stage, params, recipe, model, info)
     recipe, spec = plan_stage(stage, params, recipe, model, shard_dir, info)
     model_dir, metrics_file = MODELS / stage, metrics_path(stage)
@@ -71,8 +71,11 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
         numbers = {k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))}
         mlflow.log_metrics(numbers, step=summary["step"])  # at the last step: a chart of wall_time_s ends there
         mlflow.set_tags({"kept_weights": kept["source"], "kept_reason": kept["reason"]})
-        save_model(result.model, out[model_dir], extra=model_meta(stage, recipe, info, result.run_name))
-        (out[model_dir] / RUN_ID_FILE).write_text(run.info.run_id + "\n")
+        # the run that trained the weights: a re-run of a finished Ray run names that run's, so the same
+        # weights publish the same config.json and DVC re-runs nothing that reads them
+        trainer = run.data.tags.get("ray.previous_mlflow_run") or run.info.run_id
+        meta = {**model_meta(stage, recipe, info, result.run_name), "mlflow_run_id": trainer}
+        save_model(result.model, out[model_dir], extra=meta)
         atomic_write_json(out[metrics_file], summary)
         write_history(result.history, out[history_csv])
         plot_history({stage: result.history}, out[curves_png])

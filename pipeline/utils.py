@@ -22,23 +22,15 @@ PRETRAINED = MODELS / "pretrain"  # what the fine-tune starts from with finetune
 # A shard directory's files besides its tars; DATASET_INFO is written last, so it marks a complete one.
 DATASET_INFO, MANIFEST, BAD_FILES = "dataset.json", "manifest.parquet", "bad_files.json"
 CONFIG_NAME = "config.json"  # a model or export directory's config, written after the weights
-# Beside a stage's weights: the MLflow run that trained them. .dvcignore'd, so the output's hash is the
-# weights' and config's alone: a run that repeats them to the byte does not make DVC re-run what reads them.
-RUN_ID_FILE = "mlflow_run_id"
 
 
-def model_run_id(model_dir: str | os.PathLike) -> str | None:
-    """The MLflow run that trained the model in ``model_dir`` (None: not recorded, e.g. after a dvc pull)."""
+def trained_by(model_dir: str | os.PathLike) -> str | None:
+    """The MLflow run that trained the model in ``model_dir``, as its config.json names it (None: none named)."""
     try:
-        return (Path(model_dir) / RUN_ID_FILE).read_text().strip() or None
-    except OSError:
+        run_id = json.loads((Path(model_dir) / CONFIG_NAME).read_text()).get("mlflow_run_id")
+    except (OSError, ValueError, AttributeError):
         return None
-
-
-def trained_by(model_dir: str | os.PathLike) -> dict[str, str]:
-    """``{"mlflow_run_id": ...}`` for a model's metadata (what the registry's lineage reads), if recorded."""
-    run_id = model_run_id(model_dir)
-    return {"mlflow_run_id": run_id} if run_id else {}
+    return run_id if isinstance(run_id, str) and run_id else None
 
 
 def metrics_path(stage: str) -> Path:

@@ -116,7 +116,6 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     from pipeline.model import load_model
-    from pipeline.utils import model_run_id
 
     repo = _copy_repo(tmp_path / "repo")
     params = _tiny_overlay(repo, experiment="cluster-job")
@@ -180,7 +179,7 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     runs = ml.search_runs([exp.experiment_id], "tags.stage = 'pretrain'")
     assert len(runs) == 1
     run = runs[0]
-    assert run.info.run_id == model_run_id(ws / "models/pretrain") and run.info.status == "FINISHED"
+    assert run.info.run_id == meta["mlflow_run_id"] and run.info.status == "FINISHED"
     # the submitter's commit, though the job's code came without .git (submit.sh passes it)
     assert (run.data.tags["git.commit"], run.data.tags["git.dirty"]) == (commit, "false")
     assert run.data.params["world_size"] == "2" and run.data.params["model.depth"] == "2"

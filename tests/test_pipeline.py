@@ -359,19 +359,19 @@ def test_second_repro_is_a_noop(repro):
 
 def test_a_forced_pretrain_repeats_its_output_and_re_runs_nothing_after_it(repro):
     """`dvc repro -f pretrain`, same code and params: the finished run is published again under a new MLflow
-    run (its id beside the weights, .dvcignore'd), models/pretrain hashes as before, and DVC re-runs nothing
-    that reads it (config.json named the MLflow run: its hash changed, and finetune, evaluate and export
-    were out of date)."""
+    run, and config.json still names the run that trained the weights, so models/pretrain hashes as before
+    and DVC re-runs nothing that reads it (config.json named the new run: finetune, evaluate and export were
+    out of date)."""
     repo, _ = repro
 
     def md5() -> str:
         outs = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["pretrain"]["outs"]
         return next(o["md5"] for o in outs if o["path"] == "models/pretrain")
 
-    before, run_id = md5(), (repo / "models/pretrain/mlflow_run_id").read_text()
+    before, config = md5(), (repo / "models/pretrain/config.json").read_text()
     proc = run(["dvc", "repro", "-f", "pretrain"], repo, timeout=300)
     assert proc.returncode == 0 and "run already finished, nothing to train" in proc.stdout, proc.stderr[-2000:]
-    assert (repo / "models/pretrain/mlflow_run_id").read_text() != run_id and md5() == before
+    assert (repo / "models/pretrain/config.json").read_text() == config and md5() == before
     status = json.loads(run(["dvc", "status", "--json"], repo, timeout=120).stdout)
     assert not {"finetune", "evaluate", "export"} & set(status), status
 

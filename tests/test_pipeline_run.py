@@ -345,6 +345,22 @@ def test_stages_reading_a_model_trained_since_are_not_filled_in(workdir):
     assert not any(t.get(f"{s}.reused") == "true" for s in ("finetune", "evaluate", "export")), t
 
 
+def test_a_model_published_again_keeps_the_stages_after_it(workdir, monkeypatch):
+    """A re-run of a finished training run trains nothing and publishes the same model again (its run is
+    tagged ray.previous_mlflow_run): DVC re-runs nothing after it, so the pipeline run takes their numbers
+    from their files, where a stage that trained leaves them out."""
+    params = load_params("params.yaml")
+    (workdir / "metrics/evaluate.json").write_text(json.dumps({"top1": 0.25}))
+    for exp in ("first", "again"):
+        monkeypatch.setenv("DVC_EXP_NAME", exp)
+        with stage_run("pretrain", params, resume_key="pretrain-0123abcd"):
+            (workdir / "metrics/pretrain.json").write_text(json.dumps({"val_top1": 0.5}))
+    _, _, parents = _client_and_parent(workdir)
+    by_name = {p.info.run_name: p for p in parents}
+    assert "test_top1" not in by_name["first"].data.metrics
+    assert by_name["again"].data.metrics["test_top1"] == 0.25 and by_name["again"].data.tags["evaluate.reused"] == "true"
+
+
 def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir, monkeypatch):
     """Only evaluate and export run (their params changed), in either order: the one still to run is
     filled in from its previous outputs when the other ends; when it then runs, its own results replace
@@ -482,6 +498,7 @@ def test_a_finished_training_run_stays_under_its_pipeline_and_an_unfinished_one_
     assert client.get_run(first).data.tags["mlflow.parentRunId"] == by_name["base"]
     assert client.get_run(second).data.tags["mlflow.parentRunId"] == by_name["again"]
     assert client.get_run(second).data.tags["ray.previous_mlflow_run"] == first
+    assert client.get_run(launch("thrice")).data.tags["ray.previous_mlflow_run"] == first  # the run that trained
     third = launch("failing", fail=True)
     assert launch("retry") == third != second  # the FAILED one resumes, moved to the pipeline that runs it
     assert client.get_run(third).info.status == "FINISHED"
