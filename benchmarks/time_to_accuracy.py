@@ -11,7 +11,7 @@ webdataset, PyYAML, Pillow, pyarrow, safetensors, scikit-learn and matplotlib (t
 requirement is blocked in its tests).
 
 Resumable: checkpoints go to ``--workdir/<stage>-<hash>/`` (the run name is a hash of the recipe,
-data and initial weights), so the same command run again continues an interrupted stage and does
+data, initial weights and training code), so the same command run again, on the same code, continues an interrupted stage and does
 not retrain a finished one. ``--max-minutes`` stops at the first epoch-end checkpoint past the budget
 (every ``checkpoint_every_epochs`` epochs) with exit code 75: run the same command again to continue.
 

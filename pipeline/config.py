@@ -312,10 +312,14 @@ def _positive(key: str, value: float, nullable: bool = False) -> None:
         raise ConfigError(f"{key}: {value!r} must be > 0{' or null' if nullable else ''}")
 
 
-def _seed(key: str, value: int, bound: int) -> None:
-    """A seed the generators take (numpy and scikit-learn: below 2**32; torch: below 2**63)."""
-    if not 0 <= value < bound:
-        raise ConfigError(f"{key}: {value!r} must be in [0, 2**{bound.bit_length() - 1})")
+# What the generators take: the split (scikit-learn) seeds with data.<name>.seed + 1, below 2**32; the ranks
+# seed torch with seed * 1000 + rank, below 2**64.
+DATA_SEEDS, TRAINING_SEEDS = (2**32 - 1, "2**32 - 1"), (2**53, "2**53")
+
+
+def _seed(key: str, value: int, bound: tuple[int, str]) -> None:
+    if not 0 <= value < bound[0]:
+        raise ConfigError(f"{key}: {value!r} must be in [0, {bound[1]})")
 
 
 def _not_blank(key: str, value: Optional[str], null_means: str) -> None:
@@ -377,7 +381,7 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
         raise ConfigError(f"{key}.{exc}") from None
     for k in ("maxcount", "maxsize", "samples_per_class", "image_size"):
         _positive(f"{key}.{k}", getattr(d, k))
-    _seed(f"{key}.seed", d.seed, 2**32)
+    _seed(f"{key}.seed", d.seed, DATA_SEEDS)
     if d.num_classes < 2:
         raise ConfigError(f"{key}.num_classes: {d.num_classes!r} must be >= 2 (a classifier needs two classes)")
     if d.max_side is not None:
@@ -428,7 +432,7 @@ def _check_training(stage: str, t: TrainConfig, ranks: int) -> None:
 
     for k in ("epochs", "global_batch_size", "lr", "eval_every", "checkpoint_every_epochs"):
         _positive(f"{stage}.{k}", getattr(t, k))
-    _seed(f"{stage}.seed", t.seed, 2**63)
+    _seed(f"{stage}.seed", t.seed, TRAINING_SEEDS)
     for k in ("min_lr", "weight_decay", "warmup_epochs"):  # a negative LR multiplier or decay trains backwards
         _non_negative(f"{stage}.{k}", getattr(t, k))
     if t.min_lr > t.lr:  # the cosine would climb from lr to min_lr

@@ -47,8 +47,8 @@ def check_location(path, what: str) -> None:
     exited 0. Refused, with the URL meant."""
     scheme, sep, rest = str(path).partition(":/")
     if sep and not rest.startswith("/") and len(scheme) > 1 and scheme.replace("+", "").replace("-", "").isalnum():
-        raise ValueError(f"{what}{' ' if what else ''}{path!r}: a URL needs two slashes: did you mean "
-                         f"{scheme}://{rest}?")
+        meant = f"{scheme}:///{rest}" if scheme == "file" else f"{scheme}://{rest}"  # file URLs: an absolute path
+        raise ValueError(f"{what}{' ' if what else ''}{path!r}: a URL needs two slashes: did you mean {meant}?")
 
 
 def join(base, *names: str) -> str:

@@ -90,9 +90,9 @@ def test_params_yaml_and_code_defaults_agree():
     ({"finetune.grad_clip": 0}, ["finetune.grad_clip", "0.0", "> 0 or null"]),
     ({"pretrain.min_lr": -1}, ["pretrain.min_lr", "-1.0", ">= 0"]),
     # a seed the generators refuse only at shard time or at the first step, in their own words
-    ({"data.finetune.seed": -1}, ["data.finetune.seed: -1 must be in [0, 2**32)"]),
-    ({"data.pretrain.seed": 2**32}, ["data.pretrain.seed: 4294967296 must be in [0, 2**32)"]),
-    ({"pretrain.seed": 2**70}, ["pretrain.seed", "must be in [0, 2**63)"]),
+    ({"data.finetune.seed": -1}, ["data.finetune.seed: -1 must be in [0, 2**32 - 1)"]),
+    ({"data.pretrain.seed": 2**32 - 1}, ["data.pretrain.seed: 4294967295 must be in [0, 2**32 - 1)"]),
+    ({"pretrain.seed": 2**53}, ["pretrain.seed", "must be in [0, 2**53)"]),
     ({"data.pretrain.num_classes": 1}, ["data.pretrain.num_classes: 1 must be >= 2"]),
     ({"evaluate.resolutions": []}, ["evaluate.resolutions: [] sweeps nothing", "[32]"]),
     # '' read as the current folder

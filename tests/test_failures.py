@@ -110,7 +110,7 @@ def test_second_instance_is_refused_and_a_stop_is_clean(repo, sig, group):
         set_params(repo, **{"pretrain.epochs": 2})
     assert first.returncode == 128 + sig, err[-3000:]
     assert err.strip().splitlines()[-1].startswith(f"error: stopped by {sig.name}") and "Traceback" not in err, err[-3000:]
-    assert "SIGTERM received" not in err and "Received SIGINT" not in err  # Ray's abort handlers did not run
+    assert "SIGTERM received" not in err  # Ray's abort handler did not run
     _, runs = pretrain_runs(repo)
     assert [r.info.status for r in runs] == ["KILLED"]
     assert not (repo / "models/pretrain").exists() and not list(repo.rglob(f"{PARTIAL}*"))
