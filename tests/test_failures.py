@@ -90,6 +90,7 @@ def test_second_instance_is_refused_and_a_stop_is_clean(repo, sig, group):
     behind, no outputs written and no half-written checkpoint kept. Ctrl-C used to reach Ray Train's own
     handler: it aborted the run and exited 1 in silence, or trained on to the end and wrote nothing."""
     set_params(repo, **{"pretrain.epochs": 50})
+    shutil.rmtree(repo / ".ray_results", ignore_errors=True)  # the other case's checkpoints: wait for this run's
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "VIT_PARAMS")}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     raylets_before = _raylets()

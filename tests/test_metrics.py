@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import shutil
 
@@ -116,6 +117,11 @@ def test_evaluate_agrees_with_its_csv_files(digits_dir, tmp_path, monkeypatch):
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     monkeypatch.chdir(tmp_path)
     classes = [f"digit {i}, handwritten" for i in range(10)] + ["not in the test split"]
+    info_file = tmp_path / "data/shards/finetune/dataset.json"  # the shards of those classes (evaluate checks)
+    info = json.loads(info_file.read_text())
+    info.update(classes=classes, num_classes=len(classes),
+                class_counts={split: [*counts, 0] for split, counts in info["class_counts"].items()})
+    info_file.write_text(json.dumps(info))
     model = VisionTransformer(ViTConfig(16, 4, embed_dim=32, depth=1, num_heads=2, num_classes=len(classes)))
     model.reset_classifier(len(classes))
     save_model(model, tmp_path / "models/finetune", {"image_size": 16, "classes": classes,
