@@ -105,6 +105,7 @@ def test_mlflow_runs(repro):
     assert (evaluate.data.params["interpolation.mode"], evaluate.data.params["interpolation.antialias"]) == (
         "bicubic", "True")
     assert len(client.get_metric_history(pre.info.run_id, "train_loss")) == 2
+    assert [m.value for m in client.get_metric_history(pre.info.run_id, "epoch")] == [1.0, 2.0]  # an x-axis
     assert "val_top1" in ft.data.metrics and pre.data.tags["git.commit"] != "unknown"
     parents = {r.data.tags["mlflow.parentRunId"] for v in by_stage.values() for r in v}
     assert len(parents) == 1  # one pipeline invocation → one parent run

@@ -279,8 +279,10 @@ def _run_logger(run: LoopRun, ctx: TrainContext) -> Iterator[RunLogger | None]:
 
 
 def _log_epoch(logger, metrics: dict, step: int) -> None:
+    """At the global step, with ``epoch`` as a metric too: the MLflow UI's x-axis can then be the epoch, which
+    lines up runs of other batch sizes or datasets where the step does not."""
     if logger:
-        logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")}, step=step)
+        logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
 
 
 PROGRESS_EVERY_S = 60.0  # an epoch longer than this also gets lines within it, at most this often
