@@ -12,7 +12,7 @@ import torch
 
 from pipeline import storage
 from pipeline.cluster import check_local_capacity, worker_resources
-from pipeline.config import TRAINING_STAGES, Params
+from pipeline.config import TRAINING_STAGES, Params, flatten
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info, require_classes, require_split
 from pipeline.data.transforms import eval_augment
 from pipeline.environment import device_name
@@ -24,7 +24,7 @@ from pipeline.plots import plot_attention, plot_confusion, plot_history
 from pipeline.registry import model_run_tag
 from pipeline.tracking import stage_run
 from pipeline.train.context import local_device
-from pipeline.utils import METRICS, MODELS, PLOTS, atomic_write_json, atomic_write_text, csv_text
+from pipeline.utils import MODELS, PLOTS, atomic_write_json, atomic_write_text, csv_text, history_path, metrics_path
 
 
 def distributed_predict(model: VisionTransformer, shard_dir, split: str, params: Params, *, image_size: int,
@@ -113,7 +113,7 @@ def attention_figure(model: VisionTransformer, shard_dir, meta: dict, path: Path
 
 
 OUTPUTS = [PLOTS / n for n in ("confusion.csv", "per_class.csv", "confusion.png", "curves.png", "attention.png")] \
-    + [METRICS / "evaluate.json"]
+    + [metrics_path("evaluate")]
 
 
 def evaluate(params: Params) -> dict:
@@ -130,9 +130,7 @@ def evaluate(params: Params) -> dict:
                                                         "patch_size": model.config.patch_size[0],
                                                         "world_size": params.ray.world_size,
                                                         # the resolution sweep resizes the position grid so
-                                                        "interpolation.mode": params.finetune.interpolation.mode,
-                                                        "interpolation.antialias":
-                                                            params.finetune.interpolation.antialias},
+                                                        **flatten(params.finetune.interpolation, "interpolation")},
                       tags=model_run_tag(meta)):
         scored, device = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
         mlflow.set_tag("env.device", device)  # the test numbers' device, not this process's CPU (stage_run's)
@@ -147,10 +145,10 @@ def evaluate(params: Params) -> dict:
 
         write_class_tables(out[PLOTS / "confusion.csv"], out[PLOTS / "per_class.csv"], classes, labels, preds, scores)
         plot_confusion(matrix, classes, out[PLOTS / "confusion.png"])
-        histories = {s: _read_history(PLOTS / f"{s}_history.csv") for s in TRAINING_STAGES}
+        histories = {s: _read_history(history_path(s)) for s in TRAINING_STAGES}
         plot_history({s: h for s, h in histories.items() if h}, out[PLOTS / "curves.png"])
         attention_figure(model, shard_dir, meta, out[PLOTS / "attention.png"])
-        atomic_write_json(out[METRICS / "evaluate.json"], metrics)
+        atomic_write_json(out[metrics_path("evaluate")], metrics)
         out.publish()
 
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})

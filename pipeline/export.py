@@ -20,7 +20,7 @@ from pipeline.outputs import staged_outputs
 from pipeline.predict import MODEL_FILES, RUNNERS
 from pipeline.registry import EXPORT_ARTIFACTS, model_run_tag, record_version
 from pipeline.tracking import stage_run
-from pipeline.utils import EXPORTS, METRICS, MODELS, atomic_write_json
+from pipeline.utils import EXPORTS, MODELS, atomic_write_json, metrics_path
 
 # The model's code travels with it; by location, not "pipeline" relative to the current directory
 # (a cluster job runs in its workspace, not in the checkout).
@@ -135,7 +135,7 @@ def export(params: Params) -> dict:
     with torch.no_grad():
         reference = model(images)
     extra = {k: v for k, v in meta.items() if k != "model"}
-    with staged_outputs(EXPORTS, METRICS / "export.json") as out, \
+    with staged_outputs(EXPORTS, metrics_path("export")) as out, \
             stage_run("export", params, extra_params={"model_size": params.model.preset,
                                                       "image_size": meta["image_size"]},
                       tags=model_run_tag(meta)) as run:
@@ -155,7 +155,7 @@ def export(params: Params) -> dict:
         mlflow.log_artifacts(str(tmp), artifact_path=EXPORT_ARTIFACTS)
         report["registered_model"] = log_and_register(model, images, reference, cfg.registered_model_name,
                                                         run, meta)
-        atomic_write_json(out[METRICS / "export.json"], report)
+        atomic_write_json(out[metrics_path("export")], report)
         out.publish()
     for fmt, r in results.items():
         print(f"[export] {fmt}: max |logit diff| {r['max_abs_diff']:.2e}, top-1 agreement "

@@ -26,6 +26,8 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "model training" experiment type (not GenAI)
 EXP_NAME_ENV = "DVC_EXP_NAME"  # set by DVC for `dvc exp run` (also for queued experiments)
 STAGES = ("pretrain", "finetune", "evaluate", "export")
+# On a re-run of a finished training run (it trains nothing, publishes the same weights): the run that trained.
+PREVIOUS_RUN_TAG = "ray.previous_mlflow_run"
 # Which stages read a stage's model (dvc.yaml's graph): their files are older than a model trained since.
 DOWNSTREAM = {"pretrain": ("finetune", "evaluate", "export"), "finetune": ("evaluate", "export")}
 # The shards each stage reads, as (dataset, [splits]); a split's context is its MLflow input context.
@@ -85,6 +87,11 @@ def param_value(v: Any) -> str:
     """A value as an MLflow param: lists and dicts as JSON, cut to what MLflow stores."""
     s = json.dumps(v) if isinstance(v, (list, dict)) else str(v)
     return s[:MAX_PARAM_CHARS]
+
+
+def trainer_of(run) -> str:
+    """The MLflow run that trained ``run``'s weights: itself, or the one a re-run of a finished run names."""
+    return run.data.tags.get(PREVIOUS_RUN_TAG) or run.info.run_id
 
 
 def find_or_create(client, experiment_id: str, pid: str, params: Params, tags: dict[str, str],
@@ -291,8 +298,8 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished
     runs = client.search_runs([experiment_id], f"tags.`pipeline.id` = '{pid}' and tags.kind = 'stage'",
                               max_results=100)
     ran = {finished} | {r.data.tags.get("stage") for r in runs}
-    # a re-run of a finished training run (ray.previous_mlflow_run) published the same model again
-    trained = {r.data.tags.get("stage") for r in runs if "ray.previous_mlflow_run" not in r.data.tags}
+    # a re-run of a finished training run published the same model again
+    trained = {r.data.tags.get("stage") for r in runs if trainer_of(r) == r.info.run_id}
     stale = {s for r in trained for s in DOWNSTREAM.get(r, ())}
     stages = STAGES[:STAGES.index(finished)] if failed and finished in STAGES else STAGES
     for stage in stages:

@@ -231,9 +231,8 @@ def _start_stage_run(client, experiment_id: str, run_name: str, tags: dict[str, 
                                    order_by=["attributes.start_time DESC"])
         if found and found[0].info.status != "FINISHED":
             return mlflow.start_run(run_id=found[0].info.run_id, log_system_metrics=system_metrics), True
-        if found:  # the run that trained it: a re-run's own previous run if it was one
-            previous = found[0].data.tags.get("ray.previous_mlflow_run") or found[0].info.run_id
-            tags = {**tags, "ray.previous_mlflow_run": previous}
+        if found:
+            tags = {**tags, pipeline_run.PREVIOUS_RUN_TAG: pipeline_run.trainer_of(found[0])}
     return mlflow.start_run(run_name=run_name, tags=tags, log_system_metrics=system_metrics), False
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import INIT_SOURCES, Params, TrainConfig
+from pipeline.config import INIT_SOURCES, Params, TrainConfig, flatten
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
 from pipeline.model import ViTConfig, VisionTransformer, build_model, convert_state_dict, load_model, save_model
@@ -19,6 +19,7 @@ from pipeline.model.io import ModelFileError, read_model_file
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_history
 from pipeline import storage
+from pipeline.pipeline_run import trainer_of
 from pipeline.tracking import stage_params, stage_run
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
@@ -56,8 +57,8 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
 
     tags = {"dataset.manifest": storage.manifest_digest(shard_dir),
             "dataset.source": info["source"]}
-    if stage == "finetune" and not params.finetune.init and trained_by(PRETRAINED):  # lineage, not a param:
-        tags["pretrain.run_id"] = trained_by(PRETRAINED)  # params name the run (a resumed one keeps them)
+    if stage == "finetune" and not params.finetune.init and (pretrained_by := trained_by(PRETRAINED)):
+        tags["pretrain.run_id"] = pretrained_by  # lineage as a tag: params name the run (a resumed one keeps them)
     extra = run_params(stage, params, recipe, model, info)
     recipe, spec = plan_stage(stage, params, recipe, model, shard_dir, info)
     model_dir, metrics_file = MODELS / stage, metrics_path(stage)
@@ -73,8 +74,7 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
         mlflow.set_tags({"kept_weights": kept["source"], "kept_reason": kept["reason"]})
         # the run that trained the weights: a re-run of a finished Ray run names that run's, so the same
         # weights publish the same config.json and DVC re-runs nothing that reads them
-        trainer = run.data.tags.get("ray.previous_mlflow_run") or run.info.run_id
-        meta = {**model_meta(stage, recipe, info, result.run_name), "mlflow_run_id": trainer}
+        meta = {**model_meta(stage, recipe, info, result.run_name), "mlflow_run_id": trainer_of(run)}
         save_model(result.model, out[model_dir], extra=meta)
         atomic_write_json(out[metrics_file], summary)
         write_history(result.history, out[history_csv])
@@ -280,5 +280,5 @@ def finetune(params: Params) -> dict:
 def finetune_extra_params(params: Params) -> dict:
     """What the finetune run logs beyond its params section: how the model was moved and from where."""
     ft = params.finetune
-    return {"interpolation.mode": ft.interpolation.mode, "interpolation.antialias": ft.interpolation.antialias,
-            "pretrain_image_size": params.pretrain.image_size, "init": ft.init or str(PRETRAINED)}
+    return {**flatten(ft.interpolation, "interpolation"), "pretrain_image_size": params.pretrain.image_size,
+            "init": ft.init or str(PRETRAINED)}
