@@ -14,8 +14,9 @@
 #                                (clients upload through the server: workers need no bucket access)
 #                                [<repo>/mlartifacts]
 #   MLFLOW_ALLOWED_HOSTS         Host headers accepted (DNS-rebinding guard). Default: localhost and
-#                                private IPs. Behind a name or public IP list it, e.g.
-#                                "mlflow.internal:5000,10.0.*". Never "*" on an open network.
+#                                private IPs. Behind a name or public IP list it; the list replaces the
+#                                default, so keep localhost (an `ssh -L` tunnel sends it), e.g.
+#                                "mlflow.internal:5000,localhost:*,127.0.0.1:*". Never "*" on an open network.
 #   MLFLOW_CORS_ALLOWED_ORIGINS  only if a browser app on another origin calls the API
 #   MLFLOW_WORKERS               uvicorn workers  [2]
 # On a cluster: MLFLOW_HOST=0.0.0.0 on a machine the nodes reach, Postgres as the backend, artifacts in
