@@ -50,8 +50,8 @@ class _NotFinite(ConfigError):
 class DataConfig:
     """One dataset to shard (see ``pipeline.data.shard_dataset`` for the meaning of each key).
 
-    Defaults: ``params.yaml``'s ``data.pretrain``; ``num_classes``, ``samples_per_class`` and
-    ``image_size`` are read by the ``fractals`` source only.
+    Defaults: ``params.yaml``'s ``data.pretrain``; :data:`FRACTALS_ONLY` are read by the ``fractals``
+    source only.
     """
 
     source: str = "fractals"
@@ -71,6 +71,14 @@ class DataConfig:
     samples_per_class: int = 60
     image_size: int = 32
 
+    def in_use(self) -> dict[str, Any]:
+        """Its settings less those its source ignores: what runs log, so that two runs differ in the
+        data params only where their data can."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if self.source == "fractals" or k not in FRACTALS_ONLY}
+
+
+FRACTALS_ONLY = ("num_classes", "samples_per_class", "image_size")  # the generator's: DataConfig.in_use
 
 @dataclass
 class DataSection:

@@ -10,7 +10,7 @@ import mlflow
 import numpy as np
 import torch
 
-from pipeline import storage
+from pipeline import pipeline_run, storage
 from pipeline.cluster import check_local_capacity, worker_resources
 from pipeline.config import TRAINING_STAGES, Params, flatten
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info, require_classes, require_split
@@ -130,7 +130,8 @@ def evaluate(params: Params) -> dict:
                                                         "patch_size": model.config.patch_size[0],
                                                         "world_size": params.ray.world_size,
                                                         # the resolution sweep resizes the position grid so
-                                                        **flatten(params.finetune.interpolation, "interpolation")},
+                                                        **flatten(params.finetune.interpolation,
+                                                                  "finetune.interpolation")},
                       tags=model_run_tag(meta)):
         scored, device = distributed_predict(model, shard_dir, "test", params, image_size=size, normalize=normalize)
         mlflow.set_tag("env.device", device)  # the test numbers' device, not this process's CPU (stage_run's)
@@ -151,8 +152,7 @@ def evaluate(params: Params) -> dict:
         atomic_write_json(out[metrics_path("evaluate")], metrics)
         out.publish()
 
-        mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-        mlflow.log_metrics({f"top1_at_{r}px": v for r, v in metrics["resolution_sweep"].items()})
+        mlflow.log_metrics(pipeline_run.result_metrics("evaluate", metrics))  # the pipeline run's names
         for path in OUTPUTS:
             mlflow.log_artifact(str(path))
     tta = views_note(params.evaluate.tta, metrics.get("top1_single_view"))

@@ -11,7 +11,7 @@ import mlflow
 import numpy as np
 import torch
 
-from pipeline import storage
+from pipeline import pipeline_run, storage
 from pipeline.config import Params
 from pipeline.data import make_eval_loader, read_dataset_info, require_classes, require_split
 from pipeline.data.transforms import eval_augment
@@ -147,8 +147,7 @@ def export(params: Params) -> dict:
                   for fmt, r in results.items()
                   if r["max_abs_diff"] > cfg.max_abs_diff or r["top1_agreement"] < cfg.min_top1_agreement]
         report = {"num_images": len(images), "formats": results, "passed": not failed}
-        for fmt, r in results.items():
-            mlflow.log_metrics({f"{fmt}_max_abs_diff": r["max_abs_diff"], f"{fmt}_top1_agreement": r["top1_agreement"]})
+        mlflow.log_metrics(pipeline_run.result_metrics("export", report))  # the pipeline run's names
         if failed:
             raise ValueError("export parity check failed: " + "; ".join(failed))
         # the files a version's users fetch (predict --model models:/…) are in its run before it is registered

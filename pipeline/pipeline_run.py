@@ -74,10 +74,22 @@ def ui_link(tracking_uri: str, experiment_id: str) -> str:
 
 def pipeline_params(params: Params) -> dict[str, str]:
     """Every params.yaml value, flattened, plus what is derived from them (world size, patch sizes)."""
-    flat = {k: v for k, v in flatten(params).items() if not k.startswith("mlflow.")}
+    flat = {k: v for k, v in flatten(params).items() if not k.startswith(("mlflow.", "data."))}
+    for name in ("pretrain", "finetune"):
+        flat.update(data_params(params, name))
     flat.update({"world_size": params.ray.world_size, "finetune.effective_patch_size": params.finetune_patch_size,
-                 "finetune.init": params.finetune.init or str(PRETRAINED)})
+                 "finetune.init": finetune_init(params)})
     return {k: param_value(v) for k, v in flat.items()}
+
+
+def data_params(params: Params, name: str) -> dict[str, Any]:
+    """``data.<name>.*``, the keys its source reads (``DataConfig.in_use``)."""
+    return flatten(getattr(params.data, name).in_use(), f"data.{name}")
+
+
+def finetune_init(params: Params) -> str:
+    """What the fine-tune starts from, as the pipeline run and the fine-tune's own run log it."""
+    return params.finetune.init or str(PRETRAINED)
 
 
 MAX_PARAM_CHARS = 6000  # MLflow's MAX_PARAM_VAL_LENGTH, named here without importing MLflow (the GPU benchmarks)
@@ -208,14 +220,19 @@ def _read_metrics(stage: str) -> dict:
 
 def stage_results(stage: str) -> dict[str, float]:
     """The numbers of ``metrics/<stage>.json`` worth comparing across pipelines, keyed for the parent."""
-    m = _read_metrics(stage)
+    return result_metrics(stage, _read_metrics(stage))
+
+
+def result_metrics(stage: str, m: dict) -> dict[str, float]:
+    """A stage's results (its metrics file's content) under the names both its own MLflow run and the
+    pipeline run log them: ``test_top1``, ``macro_f1``, ``top1_at_32px``, ``export.onnx.max_abs_diff``, …"""
     out: dict[str, float] = {}
     if stage in TRAINING_STAGES:  # every number: time to accuracy (time_to_top1_90_s, ...) compared across runs
         for k, v in m.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[f"{stage}.{k}"] = float(v)
     elif stage == "evaluate":
-        for k in TEST_METRICS:
+        for k in (*TEST_METRICS, "num_samples"):
             if isinstance(m.get(k), (int, float)):
                 out[f"test_{k}"] = float(m[k])
         for k in ("macro_f1", "macro_precision", "macro_recall"):
@@ -234,16 +251,11 @@ def stage_results(stage: str) -> dict[str, float]:
 
 
 def failed_results(stage: str, run) -> dict[str, float]:
-    """What a failed export still tells (its run has each format's parity numbers, no metrics file):
-    ``export.passed`` 0 and the numbers, keyed as :func:`stage_results` keys them."""
+    """What a failed export still tells (its run logged each format's parity numbers, then failed; no
+    metrics file): ``export.passed`` 0 and the numbers."""
     if stage != "export" or run is None:
         return {}
-    out = {"export.passed": 0.0}
-    for name, value in run.data.metrics.items():
-        fmt, _, kind = name.partition("_")
-        if kind in ("max_abs_diff", "top1_agreement"):
-            out[f"export.{fmt}.{kind}"] = float(value)
-    return out
+    return {**{k: float(v) for k, v in run.data.metrics.items() if k.startswith("export.")}, "export.passed": 0.0}
 
 
 def _result_keys(stage: str, keys) -> set[str]:

@@ -35,7 +35,7 @@ def evaluation_of(client, experiment_id: str, model_run_id: str) -> dict[str, fl
                                f"'{model_run_id}' and attributes.status = 'FINISHED'",
                                order_by=["attributes.end_time DESC"], max_results=1)
     metrics = found[0].data.metrics if found else {}
-    return {f"test_{k}": metrics[k] for k in pipeline_run.TEST_METRICS if k in metrics}
+    return {name: metrics[name] for name in (f"test_{k}" for k in pipeline_run.TEST_METRICS) if name in metrics}
 
 
 def _dataset_tag(name: str) -> str:

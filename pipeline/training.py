@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import INIT_SOURCES, Params, TrainConfig, flatten
+from pipeline.config import INIT_SOURCES, Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
 from pipeline.model import ViTConfig, VisionTransformer, build_model, convert_state_dict, load_model, save_model
@@ -19,7 +19,7 @@ from pipeline.model.io import ModelFileError, read_model_file
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_history
 from pipeline import storage
-from pipeline.pipeline_run import trainer_of
+from pipeline.pipeline_run import finetune_init, trainer_of
 from pipeline.tracking import stage_params, stage_run
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
@@ -69,7 +69,8 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
         result = fit(spec, params, model, run_id=run.info.run_id)
         summary = stage_summary(result)
         kept = result.selection.kept
-        numbers = {k: v for k, v in selection_summary(result.selection).items() if isinstance(v, (int, float))}
+        numbers = {k: v for k, v in selection_summary(result.selection).items()  # the loop logged wall_time_s
+                   if isinstance(v, (int, float)) and k != "wall_time_s"}
         mlflow.log_metrics(numbers, step=summary["step"])  # at the last step: a chart of wall_time_s ends there
         mlflow.set_tags({"kept_weights": kept["source"], "kept_reason": kept["reason"]})
         # the run that trained the weights: a re-run of a finished Ray run names that run's, so the same
@@ -278,7 +279,6 @@ def finetune(params: Params) -> dict:
 
 
 def finetune_extra_params(params: Params) -> dict:
-    """What the finetune run logs beyond its params section: how the model was moved and from where."""
-    ft = params.finetune
-    return {**flatten(ft.interpolation, "interpolation"), "pretrain_image_size": params.pretrain.image_size,
-            "init": ft.init or str(PRETRAINED)}
+    """What the finetune run logs beyond its params section: the resolution it moved from, and the weights
+    it started from (``finetune.init`` resolved)."""
+    return {"pretrain_image_size": params.pretrain.image_size, "finetune.init": finetune_init(params)}

@@ -244,9 +244,9 @@ def s3_server(tmp_path_factory):
         stop_group(proc)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> Path:
-    """Digits sharded into real tars (200 samples per shard); one per test module, read-only."""
+    """Digits sharded into real tars (200 samples per shard); one per test process, read-only."""
     from pipeline.config import DataConfig
     from pipeline.data import shard_dataset
     out = tmp_path_factory.mktemp("digits") / "shards"

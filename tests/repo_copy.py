@@ -1,8 +1,10 @@
 """A copy of this repository for a test to run stages in: copy it, edit its params, run commands there."""
 from __future__ import annotations
 
+import atexit
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -71,11 +73,24 @@ def run(cmd: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def sharded_short_run(dst: Path) -> Path:
-    """A copy set up by :func:`short_run` with its pretrain shards already written (digits)."""
-    repo = make_repo(dst, edit=short_run)
+_SHARDED: dict[str, Path] = {}  # data.pretrain (as YAML) -> its shards, written once per test process
+
+
+def sharded_short_run(dst: Path, edit=short_run) -> Path:
+    """A copy set up by ``edit`` (:func:`short_run`, or an edit of it) with its pretrain shards written.
+    The shard stage runs once per data section and test process; later copies get a copy of its output
+    (the same bytes, so the same run identities)."""
+    repo = make_repo(dst, edit=edit)
+    data = yaml.safe_dump(yaml.safe_load((repo / "params.yaml").read_text())["data"]["pretrain"])
+    shards = repo / "data/shards/pretrain"
+    if data in _SHARDED:
+        shutil.copytree(_SHARDED[data], shards)
+        return repo
     proc = run(["python", "-m", "stages.shard", "pretrain"], repo)
     assert proc.returncode == 0, proc.stderr
+    cache = Path(tempfile.mkdtemp(prefix="vit-shards-"))
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    _SHARDED[data] = shutil.copytree(shards, cache / "pretrain")
     return repo
 
 

@@ -108,6 +108,11 @@ def test_head_requires_token_and_binds_dashboard_to_loopback(ray_head):
     assert _listening_addresses(ray_head["ports"]["DASHBOARD_PORT"]) == {"127.0.0.1"}
     env_file = (ray_head["state"] / "env").read_text()
     assert f"RAY_API_SERVER_ADDRESS={api}" in env_file and "RAY_AUTH_MODE=token" in env_file
+    script = str(ROOT / "infra/ray-head.sh")
+    shown, status = (subprocess.run(["bash", script, cmd], env=ray_head["env"], capture_output=True, text=True,
+                                    timeout=120) for cmd in ("token", "status"))
+    assert shown.returncode == 0 and shown.stdout.strip() == token, shown.stderr  # for a colleague (infra/README)
+    assert status.returncode == 0 and re.search(r"[\d.]+/2\.0 CPU", status.stdout), status.stdout + status.stderr
 
 
 @pytest.mark.slow
@@ -130,7 +135,9 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     ws = tmp_path / "workspace"  # the "shared" path: same absolute path for submitter and cluster
     env = env_factory(**{k: v for k, v in ray_head["env"].items() if k.startswith("RAY_AUTH")},
                     RAY_API_SERVER_ADDRESS=ray_head["api"], VIT_WORKSPACE=str(ws), VIT_PARAMS_OVERLAY=params,
-                    MLFLOW_TRACKING_URI=mlflow_server.url)
+                    MLFLOW_TRACKING_URI=mlflow_server.url,
+                    # a Ray Train setting the stages also default: Ray refuses a ray.init that sets it again
+                    VIT_JOB_ENV="RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS=0")
 
     # 1. Shard on the submitter, straight into the workspace (same script the job runs).
     shard = subprocess.run(["bash", "infra/job.sh", "shard-pretrain", "shard-finetune"], cwd=repo, env=env,
@@ -153,6 +160,7 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     assert info.runtime_env["working_dir"].startswith("gcs://"), info.runtime_env  # code went up as a package
     assert info.runtime_env["env_vars"]["VIT_WORKSPACE"] == str(ws)
     assert info.runtime_env["env_vars"]["VIT_PARAMS_OVERLAY"] == params
+    assert info.runtime_env["env_vars"]["RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS"] == "0"
     assert "[pretrain] done" in client.get_job_logs(job_id)
 
     # 3. The upload carried the code, not the ignored data; the job wrote to the workspace only.

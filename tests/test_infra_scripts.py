@@ -93,7 +93,6 @@ def test_submit_names_the_job_it_will_ask_about(stub_ray, tmp_path):
 
 # ------------------------------------------------------------------------------------------ ray-head.sh
 
-@pytest.mark.skipif(shutil.which("setsid") is None, reason="ray-head.sh needs setsid (util-linux)")
 def test_ray_head_env_file_sources_with_a_token_path_holding_spaces(stub_ray, tmp_path):
     """`source $RAY_HEAD_DIR/env` (the submit recipe `start` prints) with RAY_AUTH_TOKEN_PATH=…/my tokens/…:
     unquoted, the export split at the space ("not a valid identifier", the path cut short)."""
@@ -115,7 +114,6 @@ def test_ray_head_env_file_sources_with_a_token_path_holding_spaces(stub_ray, tm
 
 # ------------------------------------------------------------------------------------- ray-cluster.yaml
 
-@pytest.mark.skipif(shutil.which("setsid") is None or shutil.which("pgrep") is None, reason="setsid, pgrep")
 def test_cluster_yaml_starts_mlflow_unless_a_server_runs():
     """The head's MLflow line is guarded by `pgrep -f PATTERN`. Ray runs it as
     `bash --login -c -i 'source ~/.bashrc; … && (THE LINE)'`, so that shell's own command line holds the

@@ -148,13 +148,16 @@ def test_evaluate_agrees_with_its_csv_files(digits_dir, tmp_path, monkeypatch):
     assert client.get_run(run.data.tags["mlflow.parentRunId"]).data.tags["evaluate.device"] == "the eval device (cpu)"
 
 
-def test_curves_without_a_history_draw_no_legend_and_warn_nothing(tmp_path):
+def test_curves_without_a_history_draw_no_legend_and_warn_nothing(tmp_path, monkeypatch):
     """The evaluate stage of a model trained elsewhere has no history CSVs: an empty curves.png, no
     matplotlib warning about a legend without labels on the console."""
     import warnings
 
-    from pipeline.plots import plot_history
+    saved = plots._save
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figures.append(fig), saved(fig, path)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        plot_history({}, tmp_path / "curves.png")
+        plots.plot_history({}, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 0
+    assert figures and all(ax.get_legend() is None for ax in figures[0].axes)

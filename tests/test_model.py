@@ -173,7 +173,7 @@ def test_vit_b16_param_count():
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "large", "huge"])
 def test_param_count_and_names_match_timm(preset):
-    timm_vit = pytest.importorskip("timm.models.vision_transformer")
+    import timm.models.vision_transformer as timm_vit
     p = PRESETS[preset]
     with torch.device("meta"):  # shapes only: no memory, no init cost
         ours = build_vit(preset, patch_size=16, image_size=224, num_classes=1000)
@@ -273,7 +273,7 @@ def _perturb(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def test_convert_timm_same_logits():
-    timm_vit = pytest.importorskip("timm.models.vision_transformer")
+    import timm.models.vision_transformer as timm_vit
     ref = _perturb(timm_vit.VisionTransformer(
         img_size=64, patch_size=16, embed_dim=192, depth=2, num_heads=3, num_classes=7,
     ))
@@ -289,7 +289,7 @@ def test_convert_timm_same_logits():
 
 def test_convert_timm_no_embed_class_same_logits():
     """timm's ``no_embed_class`` layout (DeiT III, FlexiViT: no [CLS] position) is a zero [CLS] position here."""
-    timm_vit = pytest.importorskip("timm.models.vision_transformer")
+    import timm.models.vision_transformer as timm_vit
     ref = _perturb(timm_vit.VisionTransformer(
         img_size=64, patch_size=16, embed_dim=64, depth=2, num_heads=4, num_classes=7, no_embed_class=True,
     ))
@@ -311,7 +311,7 @@ def test_convert_timm_no_embed_class_same_logits():
 
 
 def test_convert_torchvision_same_logits():
-    tv = pytest.importorskip("torchvision.models.vision_transformer")
+    import torchvision.models.vision_transformer as tv
     ref = _perturb(tv.VisionTransformer(
         image_size=64, patch_size=16, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=256, num_classes=7
     ))
@@ -325,7 +325,7 @@ def test_convert_torchvision_same_logits():
 
 
 def test_convert_vit_b16_torchvision_keys_and_resample():
-    tv = pytest.importorskip("torchvision.models")
+    import torchvision.models as tv
     with torch.device("meta"):
         sd = tv.vit_b_16(weights=None).state_dict()
     sd["encoder.pos_embedding"] = torch.randn(1, 197, 768)  # the one tensor we must compute with

@@ -191,6 +191,9 @@ def test_wheel_installs_and_predicts(tmp_path):
     # Requires-Dist, the pins and the constraints must all be met by this (the tested) environment.
     subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", "-r", ROOT / "requirements.txt", "-c",
                     ROOT / "constraints.txt", str(wheel)], cwd=tmp_path, env=env, check=True, timeout=300)
+    # and `pip install '.[test]'`: the extra's tools are declared and met by the tested environment
+    subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", f"{wheel}[test]"], cwd=tmp_path, env=env,
+                   check=True, timeout=300)
     subprocess.run([py, "-m", "pip", "check"], cwd=tmp_path, env=env, check=True, timeout=120)
 
     work = tmp_path / "work"

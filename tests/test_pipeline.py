@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -16,7 +17,7 @@ import yaml
 
 from pipeline import environment
 from tests.conftest import clean_env
-from tests.repo_copy import make_repo, pretrain_runs, run
+from tests.repo_copy import copy_repo_files, make_repo, pretrain_runs, run
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("pretrain", "finetune", "evaluate", "export")
@@ -99,11 +100,28 @@ def test_mlflow_runs(repro):
     assert pre.data.params["model.preset"] == "nano" and pre.data.params["model.patch_size"] == "4"
     assert pre.data.params["image_size"] == "16" and ft.data.params["image_size"] == "32"
     assert ft.data.params["finetune.interpolation.mode"] == "bicubic"
-    assert ft.data.params["interpolation.antialias"] == "True"
+    assert ft.data.params["finetune.interpolation.antialias"] == "True"
     assert ft.data.tags["pretrain.run_id"] == pre.info.run_id  # the run of the weights it started from
-    evaluate = by_stage["evaluate"][0]  # its resolution sweep resizes the position grid this way
-    assert (evaluate.data.params["interpolation.mode"], evaluate.data.params["interpolation.antialias"]) == (
-        "bicubic", "True")
+    evaluate, export = by_stage["evaluate"][0], by_stage["export"][0]
+    # its resolution sweep resizes the position grid this way
+    assert (evaluate.data.params["finetune.interpolation.mode"],
+            evaluate.data.params["finetune.interpolation.antialias"]) == ("bicubic", "True")
+    # one name for a param or a number, whichever run shows it: the stage's own, or the pipeline run
+    (parent,) = client.search_runs([exp.experiment_id], "tags.kind = 'pipeline'")
+    for stage_run in (pre, ft, evaluate, export):
+        shared = set(stage_run.data.params) & set(parent.data.params)
+        assert {k: stage_run.data.params[k] for k in shared} == {k: parent.data.params[k] for k in shared}, \
+            stage_run.data.tags["stage"]
+    assert {"finetune.init", "data.finetune.source", "data.finetune.seed"} <= set(ft.data.params)
+    assert "data.finetune.samples_per_class" not in parent.data.params  # fractals only: not digits'
+    assert "data.pretrain.samples_per_class" in pre.data.params and "data.pretrain.seed" in pre.data.params
+    for stage_run in (evaluate, export):  # the pipeline run has each of their results, by the same name
+        results = set(stage_run.data.metrics) - {"epoch"}
+        assert results <= set(parent.data.metrics), results - set(parent.data.metrics)
+        assert {k: stage_run.data.metrics[k] for k in results} == pytest.approx(
+            {k: parent.data.metrics[k] for k in results})
+    assert {"test_top1", "test_loss", "macro_f1", "top1_at_32px"} <= set(evaluate.data.metrics)
+    assert {"export.passed", "export.onnx.max_abs_diff", "export.torchscript.top1_agreement"} <= set(export.data.metrics)
     assert len(client.get_metric_history(pre.info.run_id, "train_loss")) == 2
     assert [m.value for m in client.get_metric_history(pre.info.run_id, "epoch")] == [1.0, 2.0]  # an x-axis
     assert "val_top1" in ft.data.metrics and pre.data.tags["git.commit"] != "unknown"
@@ -216,15 +234,17 @@ def _queue_settled(repo: Path, names: list[str], timeout: float = 900, stall: fl
         time.sleep(10)
 
 
-def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, tmp_path):
-    """`dvc exp run --queue` over a 2-point grid + `dvc queue start`: each experiment is its own MLflow
-    pipeline run, tagged with its name; the two differ exactly in the swept param; pretrain is reused.
-    One point is queued with `-S`, the other from a recipe file through the README's pipe, which with
-    a bad recipe queues nothing."""
-    from mlflow.tracking import MlflowClient
+QUEUED = {"interp-bilinear": "bilinear", "interp-nearest": "nearest"}  # experiment name -> interpolation
 
+
+@pytest.fixture(scope="module")
+def queued(repro, tmp_path_factory):
+    """The README's grid through the queue, two points: one queued with `-S`, the other from a recipe
+    file through the README's pipe (and a bad recipe, which queues nothing); then `dvc queue start`
+    until both settled. Returns `dvc queue status`'s last output and how often the worker was restarted."""
     repo, _ = repro
-    names = {"interp-bilinear": "bilinear", "interp-nearest": "nearest"}
+    tmp_path = tmp_path_factory.mktemp("recipes")
+    names = QUEUED
     (tmp_path / "nearest.yaml").write_text("finetune:\n  interpolation: {mode: nearest}\n")
     # target evaluate: export (not needed to compare accuracy) stays out, a minute less per experiment
     pipe = "python -m pipeline recipe {} | xargs -r dvc exp run --queue -n {} evaluate"
@@ -238,14 +258,31 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, tmp_path):
     assert "from-bad-recipe" not in run(["dvc", "queue", "status"], repo, timeout=120).stdout
     try:
         _queue_start(repo)
-        status, restarts = _queue_settled(repo, list(names))
+        return _queue_settled(repo, list(names))
     finally:
         run(["dvc", "queue", "stop"], repo, timeout=120)
+
+
+def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, queued):
+    """`dvc exp run --queue` over a 2-point grid + `dvc queue start`: each experiment is its own MLflow
+    pipeline run, tagged with its name; the two differ exactly in the swept param; pretrain is reused.
+    The README's comparison commands (`dvc exp show`, `dvc metrics diff`, `dvc plots diff $(dvc exp list
+    --name-only)`) show both."""
+    from mlflow.tracking import MlflowClient
+
+    repo, _ = repro
+    names = QUEUED
+    status, restarts = queued
     assert status.count("Success") >= 2 and restarts < len(names), status
     show = json.loads(run(["dvc", "exp", "show", "--json"], repo, timeout=120).stdout)
     shown = [e.get("name") for base in show for e in (base.get("experiments") or []) for e in (e.get("revs") or [])]
     assert set(names) <= set(shown)
-    diff = run(["dvc", "plots", "diff", *names, "--json"], repo, timeout=300)
+    metrics = run(["dvc", "metrics", "diff", "--all", "--json", *names], repo, timeout=120)
+    assert metrics.returncode == 0, metrics.stderr[-2000:]
+    top1 = json.loads(metrics.stdout)["metrics/evaluate.json"]["top1"]
+    assert 0 < top1["old"] <= 1 and 0 < top1["new"] <= 1, top1
+    # the README's form: every experiment's plots side by side
+    diff = run(["bash", "-c", "dvc plots diff --json $(dvc exp list --name-only)"], repo, timeout=300)
     assert diff.returncode == 0 and all(n in diff.stdout for n in names), diff.stderr[-2000:]
     drawn = json.loads(diff.stdout)["data"]
     assert {"Training curves (loss)", "Training curves (top-1)", "Confusion matrix", "plots/per_class.csv"} <= set(drawn)
@@ -277,7 +314,7 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, tmp_path):
         assert {"test_top1", "macro_f1", "top1_at_24px", "top1_at_32px", "finetune.val_top1"} <= set(r.data.metrics)
 
 
-def test_compare_two_real_pipeline_runs_in_the_ui(repro):
+def test_compare_two_real_pipeline_runs_in_the_ui(repro, queued):
     """Headless Chromium on a real MLflow server over the fixture's store: the experiment opens on its
     training runs; the two queued experiments' pipeline runs, compared, show the swept param and the
     accuracies training produced. The picture is the README's (VIT_UPDATE_SCREENSHOTS=1 refreshes it)."""
@@ -294,8 +331,7 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro):
     exp = client.get_experiment_by_name("vit-pipeline")
     runs = [client.search_runs([exp.experiment_id], f"tags.kind = 'pipeline' and tags.`dvc.exp_name` = '{n}'")
             for n in ("interp-bilinear", "interp-nearest")]
-    if not all(runs):
-        pytest.skip("needs the queued experiments of test_dvc_queue_grid_one_pipeline_run_per_experiment")
+    assert all(runs), "the queued experiments did not log their pipeline runs"
     runs = [r[0] for r in runs]
     screenshot = repo / "mlflow-compare.png"
     with serve_mlflow(repo / "mlflow.db", repo / "mlartifacts", repo / "mlflow-server.log") as (url, _):
@@ -345,17 +381,38 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro):
                 browser.close()
     assert screenshot.stat().st_size > 20_000
     if os.environ.get("VIT_UPDATE_SCREENSHOTS") == "1":
-        import shutil
-
         shutil.copyfile(screenshot, ROOT / "docs/mlflow-compare.png")
 
 
-def test_second_repro_is_a_noop(repro):
+def test_pipeline_sh_again_runs_nothing_and_its_commands_show_the_results(repro, tmp_path):
+    """The README's `bash scripts/pipeline.sh` (and `… finetune`: a target for `dvc repro`) in the fixture's
+    copy, this test environment as its .venv: every stage is up to date, nothing is installed; then the
+    commands it prints for the results, `dvc metrics show` and `dvc plots show`."""
     repo, _ = repro
-    proc = run(["dvc", "repro"], repo, timeout=120)
-    assert proc.returncode == 0
-    assert "Running stage" not in proc.stdout
-    assert "up to date" in proc.stdout.lower()
+    venv = Path(sys.executable).parent.parent
+    if not (venv / ".installed").is_file():  # scripts/env.sh would install into this environment
+        pytest.skip("runs in the environment scripts/env.sh built (bash scripts/test.sh)")
+    files = ["scripts", "requirements.txt", "requirements-test.txt", "constraints.txt", "pyproject.toml"]
+    copy_repo_files(repo, files)
+    try:
+        for target in ([], ["finetune"]):
+            proc = subprocess.run(["bash", "scripts/pipeline.sh", *target], cwd=repo, capture_output=True,
+                                  text=True, timeout=300, env=clean_env(VIT_VENV=str(venv)))
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+            assert "Running stage" not in proc.stdout and "up to date" in proc.stdout.lower(), proc.stdout
+            assert "pipeline finished in" in proc.stdout and "[env]" not in proc.stderr, proc.stderr
+    finally:
+        for name in files:
+            shutil.rmtree(repo / name) if (repo / name).is_dir() else (repo / name).unlink()
+    shown = run(["dvc", "metrics", "show", "--json"], repo, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    (current,) = json.loads(shown.stdout).values()  # one revision, named "workspace" or by its commit
+    evaluated = current["data"]["metrics/evaluate.json"]["data"]
+    assert evaluated == json.loads((repo / "metrics/evaluate.json").read_text())
+    drawn = run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], repo, timeout=300)
+    assert drawn.returncode == 0, drawn.stderr[-2000:]
+    page = (tmp_path / "plots/index.html").read_text()
+    assert all(name in page for name in ("Training curves (top-1)", "Confusion matrix", "plots/curves.png"))
 
 
 def test_a_forced_pretrain_repeats_its_output_and_re_runs_nothing_after_it(repro):
@@ -520,8 +577,8 @@ def test_predict_a_registered_version(repro, tmp_path):
 
 
 def _would_run(repo: Path, **edits) -> set[str]:
-    """Stages `dvc repro` would run after ``edits``: those whose declared deps/params changed
-    (`dvc status`) plus everything downstream of them in `dvc dag`."""
+    """Stages `dvc repro --dry --force-downstream` would run after ``edits`` to params.yaml: the changed
+    ones and everything after them (a dry run cannot know a retrained output is unchanged)."""
     raw = yaml.safe_load((repo / "params.yaml").read_text())
     original = (repo / "params.yaml").read_text()
     for dotted, value in edits.items():
@@ -532,21 +589,11 @@ def _would_run(repo: Path, **edits) -> set[str]:
         node[leaf] = value
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     try:
-        status = run(["dvc", "status", "--json"], repo, timeout=120)
-        assert status.returncode == 0, status.stderr
-        changed = set(json.loads(status.stdout))
+        dry = run(["dvc", "repro", "--dry", "--force-downstream"], repo, timeout=120)
     finally:
         (repo / "params.yaml").write_text(original)
-    dag = run(["dvc", "dag", "--dot"], repo, timeout=120).stdout
-    edges = re.findall(r'"([^"]+)" -> "([^"]+)"', dag)
-    todo, seen = list(changed), set(changed)
-    while todo:
-        stage = todo.pop()
-        for a, b in edges:
-            if a == stage and b not in seen:
-                seen.add(b)
-                todo.append(b)
-    return seen
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    return set(re.findall(r"^Running stage '([^']+)':", dry.stdout, re.M))
 
 
 def test_dvc_reruns_only_what_a_param_change_touches(repro):

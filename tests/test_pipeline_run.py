@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_params
+from pipeline.pipeline_run import result_metrics
 from pipeline.tracking import stage_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +65,9 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
     p, m, t = parent.data.params, parent.data.metrics, parent.data.tags
     assert p["finetune.interpolation.mode"] == "bilinear" and p["model.preset"] == "nano"
     assert p["world_size"] == "2" and p["finetune.init"] == "models/pretrain" and "mlflow.experiment" not in p
+    # the generator's keys for the fractals source only, not for digits, which has fixed images
+    assert p["data.pretrain.samples_per_class"] == "60" and "data.finetune.samples_per_class" not in p
+    assert p["data.finetune.source"] == "digits" and "data.finetune.seed" in p
     assert m["test_top1"] == 0.5 and m["test_ece"] == 0.05 and m["top1_at_24px"] == 0.25 and m["export.passed"] == 1.0
     assert m["export.onnx.max_abs_diff"] == 1e-6 and m["macro_f1"] == 0.45
     assert m["finetune.val_top1"] == 0.75 and t["finetune.reused"] == "true"  # filled in from its output
@@ -191,7 +195,7 @@ def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, mo
     meta = {"mlflow_run_id": trained.info.run_id, "image_size": 48, "model": {"patch_size": [8, 8]}}
     for model_tags, top1 in ((model_run_tag(meta), 0.875), ({"finetune.run_id": "another-model"}, 0.25)):
         with stage_run("evaluate", params, tags=model_tags):
-            mlflow.log_metrics({"top1": top1, "top5": 1.0, "loss": 0.5, "ece": 0.0625})
+            mlflow.log_metrics(result_metrics("evaluate", {"top1": top1, "top5": 1.0, "loss": 0.5, "ece": 0.0625}))
     client, _, (parent,) = _client_and_parent(workdir)
     with stage_run("export", params, tags=model_run_tag(meta)) as run:
         version = _register(client, run)
@@ -213,7 +217,8 @@ def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, mo
     assert found.version == got.version
 
     with stage_run("evaluate", params, tags=model_run_tag(meta)):  # evaluated again, now with evaluate.tta
-        mlflow.log_metrics({"top1": 0.9, "top5": 1.0, "loss": 0.4, "ece": 0.05, "top1_single_view": 0.875})
+        mlflow.log_metrics(result_metrics("evaluate", {"top1": 0.9, "top5": 1.0, "loss": 0.4, "ece": 0.05,
+                                                       "top1_single_view": 0.875}))
     with stage_run("export", params, tags=model_run_tag(meta)) as run:
         version = _register(client, run)
         tags = record_version(client, run, "vit-pipeline", version, meta)
@@ -513,9 +518,11 @@ def test_a_failed_pipeline_run_keeps_what_it_reused_and_a_failed_export_its_numb
     params = load_params("params.yaml")
     (workdir / "metrics/finetune.json").write_text(json.dumps({"val_top1": 0.75}))
     (workdir / "metrics/evaluate.json").write_text(json.dumps({"top1": 0.5}))
+    report = {"passed": False, "formats": {"onnx": {"max_abs_diff": 0.5, "top1_agreement": 0.9},
+                                           "torchscript": {"max_abs_diff": 0.0}}}
     with pytest.raises(ValueError):
         with stage_run("export", params):
-            mlflow.log_metrics({"onnx_max_abs_diff": 0.5, "onnx_top1_agreement": 0.9, "torchscript_max_abs_diff": 0.0})
+            mlflow.log_metrics(result_metrics("export", report))  # as the export stage logs them
             raise ValueError("export parity check failed")
     client, exp, (parent,) = _client_and_parent(workdir)
     run = client.get_run(parent.info.run_id)

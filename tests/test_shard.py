@@ -540,11 +540,8 @@ def test_allowed_bad_images_count_as_the_fraction_says(tmp_path):
 
 
 def test_fractals(tmp_path):
-    import time
-    t0 = time.perf_counter()
     info = shard_dataset(tmp_path / "a", DataConfig(source="fractals", num_classes=8, samples_per_class=50,
                                                     image_size=24, maxcount=100))
-    assert time.perf_counter() - t0 < 20
     assert len(info["classes"]) == 8 and sum(info["counts"].values()) == 400
     again = shard_dataset(tmp_path / "b", DataConfig(source="fractals", num_classes=8, samples_per_class=50,
                                                      image_size=24, maxcount=100))

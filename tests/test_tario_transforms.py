@@ -89,7 +89,7 @@ def test_indexed_shards_keep_few_files_open(digits_dir, monkeypatch):
 
 def test_train_loader_same_batches_from_a_url(digits_dir):
     """URLs are read in full, local shards through the header index: the same batches."""
-    fsspec = pytest.importorskip("fsspec")
+    import fsspec
     from pipeline.data import make_train_loader
     fs = fsspec.filesystem("memory")
     for p in digits_dir.iterdir():

@@ -12,7 +12,7 @@ import torch
 from pipeline.train.context import STATE_FILE, checkpoint_name, latest_checkpoint, list_checkpoints
 from pipeline.train.optim import accumulation, param_groups
 from tests.faults import inject_fault
-from tests.repo_copy import make_repo, pretrain_runs, run, set_params, sharded_short_run, short_run
+from tests.repo_copy import pretrain_runs, run, set_params, sharded_short_run, short_run
 
 pytestmark = pytest.mark.slow
 STEPS_PER_EPOCH = 1257 // 64  # digits train split / global batch
@@ -347,10 +347,9 @@ def test_one_and_two_workers_give_the_same_first_step_loss(tmp_path_factory):
                               backend="local" if workers == 1 else "ray")
             return raw
 
-        repo = make_repo(tmp_path_factory.mktemp(f"w{workers}"), edit=edit)
-        for cmd in (["python", "-m", "stages.shard", "pretrain"], ["python", "-m", "stages.pretrain"]):
-            proc = run(cmd, repo)
-            assert proc.returncode == 0, proc.stderr[-3000:]
+        repo = sharded_short_run(tmp_path_factory.mktemp(f"w{workers}"), edit=edit)
+        proc = run(["python", "-m", "stages.pretrain"], repo)
+        assert proc.returncode == 0, proc.stderr[-3000:]
         client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
         exp = client.get_experiment_by_name("vit-pipeline")
         (r,) = client.search_runs([exp.experiment_id], "tags.stage = 'pretrain'")
@@ -378,8 +377,7 @@ def test_local_runner_and_one_ray_worker_agree_and_resume_each_other(tmp_path_fa
             raw["ray"].update(num_workers=1, backend=backend)
             return raw
 
-        repo = make_repo(tmp_path_factory.mktemp(f"{first}-then-{then}"), edit=edit)
-        assert run(["python", "-m", "stages.shard", "pretrain"], repo).returncode == 0
+        repo = sharded_short_run(tmp_path_factory.mktemp(f"{first}-then-{then}"), edit=edit)
         inject_fault(monkeypatch, f"raise@7:{tmp_path / first}")
         proc = run(["python", "-m", "stages.pretrain"], repo)
         assert proc.returncode != 0 and (tmp_path / first).exists(), proc.stdout[-2000:]
@@ -426,10 +424,9 @@ def test_keep_best_of_raw_and_ema_and_stop_early(tmp_path):
         raw["ray"]["backend"] = "local"
         return raw
 
-    repo = make_repo(tmp_path / "repo", edit=edit)
-    for cmd in (["python", "-m", "stages.shard", "pretrain"], ["python", "-m", "stages.pretrain"]):
-        proc = run(cmd, repo)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    repo = sharded_short_run(tmp_path / "repo", edit=edit)
+    proc = run(["python", "-m", "stages.pretrain"], repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows, summary = final_state(repo)
     scores = [candidate({k: float(v) for k, v in r.items() if k.startswith("val_top1")}) for r in rows]
     best_so_far = [max(s for _, s in scores[:i]) for i in range(1, len(scores) + 1)]
@@ -465,8 +462,7 @@ def test_a_diverging_run_stops_on_every_rank_and_saves_nothing(tmp_path):
         raw["ray"].update(max_failures=2)
         return raw
 
-    repo = make_repo(tmp_path / "repo", edit=edit)
-    assert run(["python", "-m", "stages.shard", "pretrain"], repo).returncode == 0
+    repo = sharded_short_run(tmp_path / "repo", edit=edit)
     proc = run(["python", "-m", "stages.pretrain"], repo)
     assert proc.returncode == 1, proc.stderr[-3000:]
     diverged = re.findall(r"\[pretrain\] diverged: the training loss is (\S+) at step (\d+) \(epoch 1\)", proc.stdout)
@@ -492,8 +488,7 @@ def test_a_time_budget_run_is_the_run_of_the_epochs_it_planned(tmp_path, monkeyp
         raw["pretrain"].update(epochs=7, warmup_epochs=3, time_budget_minutes=0.001)
         return raw
 
-    repo = make_repo(tmp_path / "repo", edit=edit)
-    assert run(["python", "-m", "stages.shard", "pretrain"], repo).returncode == 0
+    repo = sharded_short_run(tmp_path / "repo", edit=edit)
     inject_fault(monkeypatch, f"raise@{3 * STEPS_PER_EPOCH + 8}:{tmp_path / 'failed'}")
     first = run(["python", "-m", "stages.pretrain"], repo)
     assert first.returncode != 0 and (tmp_path / "failed").exists(), first.stdout[-2000:]
@@ -507,8 +502,9 @@ def test_a_time_budget_run_is_the_run_of_the_epochs_it_planned(tmp_path, monkeyp
     assert len(budget_rows) == summary["epoch"] == summary["planned_epochs"] == 4
     client, (r,) = pretrain_runs(repo)
     assert r.data.metrics["planned_epochs"] == 4
-    walls = client.get_metric_history(r.info.run_id, "wall_time_s")  # per epoch, then the summary's at the end
+    walls = client.get_metric_history(r.info.run_id, "wall_time_s")  # once per epoch, over both launches
     assert min(m.step for m in walls) > 0  # none at step 0, where a chart over steps would start at the end
+    assert len({m.step for m in walls}) == len(walls) == 4  # the summary does not log the last one again
 
     set_params(repo, **{"pretrain.epochs": 4, "pretrain.time_budget_minutes": None})
     proc = run(["python", "-m", "stages.pretrain"], repo)
