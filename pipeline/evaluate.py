@@ -159,5 +159,6 @@ def evaluate(params: Params) -> dict:
     print(f"[evaluate] test top-1 {metrics['top1']:.4f}{tta}, top-5 {metrics['top5']:.4f}, loss {metrics['loss']:.4f}, "
           f"ECE {metrics['ece']:.4f} "
           f"on {metrics['num_samples']} images ({params.ray.world_size} workers); top-1 by resolution "
-          f"{ {r: round(v, 4) for r, v in metrics['resolution_sweep'].items()} }; pictures in {PLOTS}/", flush=True)
+          f"{', '.join(f'{r} px {v:.4f}' for r, v in metrics['resolution_sweep'].items())}; pictures in {PLOTS}/",
+          flush=True)
     return metrics
