@@ -80,6 +80,7 @@ class DataConfig:
 
 FRACTALS_ONLY = ("num_classes", "samples_per_class", "image_size")  # the generator's: DataConfig.in_use
 
+
 @dataclass
 class DataSection:
     pretrain: DataConfig = field(default_factory=DataConfig)

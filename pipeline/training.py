@@ -71,7 +71,7 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
         kept = result.selection.kept
         numbers = {k: v for k, v in selection_summary(result.selection).items()  # the loop logged wall_time_s
                    if isinstance(v, (int, float)) and k != "wall_time_s"}
-        mlflow.log_metrics(numbers, step=summary["step"])  # at the last step: a chart of wall_time_s ends there
+        mlflow.log_metrics(numbers, step=summary["step"])  # at the last step, after the per-epoch points
         mlflow.set_tags({"kept_weights": kept["source"], "kept_reason": kept["reason"]})
         # the run that trained the weights: a re-run of a finished Ray run names that run's, so the same
         # weights publish the same config.json and DVC re-runs nothing that reads them
