@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 from pipeline.config import ConfigError, RayConfig
@@ -19,6 +21,7 @@ WAIT_REPORT_S = 30  # how often a wait for cluster resources says so
 # last one was taken: a loop reporting every 1.6 s (an epoch of the default pipeline, or of CIFAR-10
 # on one H100) waited ~0.4 s per report. Ray passes the variable on to its controller and ranks.
 REPORT_POLL_VAR, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
+RAY_CLI_WORKER_PORTS = (10002, 19999)  # what `ray start` gives its workers (a head on this machine)
 
 
 def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
@@ -89,16 +92,37 @@ def _start_local(ray_cfg: RayConfig, kwargs: dict, dashboard: bool) -> None:
         # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls. Its actors
         # find that API by looking for "the" Ray instance on the machine and die with a traceback when
         # there are several (another stage, a `dvc queue` worker, a head): so they are told where it is.
-        port = _free_port()
+        port = free_loopback_port()
         kwargs["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
     ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, **kwargs)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def free_loopback_port() -> int:
+    """A free loopback port below the kernel's ephemeral range. A port that ``bind(0)`` hands out is one the
+    kernel also gives outgoing connections as their source port, and Ray opens many while it starts: one
+    such port was taken before the dashboard bound it ("already occupied", a failed stage)."""
+    first_ephemeral = _ephemeral_ports()[0]
+    candidates = range(RAY_CLI_WORKER_PORTS[1] + 1, first_ephemeral)
+    for port in random.sample(candidates, min(len(candidates), 100)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:  # in use: try another
+                continue
+    with socket.socket() as s:  # no port free below the range: any free one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux's default where unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 @contextmanager

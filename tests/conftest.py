@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,15 +39,14 @@ _HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now and not handed out before in this session.
-
-    The kernel may give a just-closed port 0 binding out again, so two calls in a row (say, for a
-    Ray head's client and agent ports) could otherwise return the same number.
+    """A TCP port that is free on 127.0.0.1 right now and not handed out before in this session: the
+    stages' own choice (below the kernel's source ports for outgoing connections), so two calls in a row
+    (say, for a Ray head's client and agent ports) cannot return the same number.
     """
+    from pipeline.cluster import free_loopback_port
+
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_loopback_port()
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port

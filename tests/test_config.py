@@ -166,6 +166,22 @@ def test_local_backend_is_one_rank_whatever_num_workers_says():
         load_params(ROOT / "params.yaml", overrides={"ray.num_workers": 3})
 
 
+def test_dashboard_port_is_free_and_outside_the_ports_others_are_handed():
+    """The local dashboard's port is free, and neither one the kernel gives outgoing connections (Ray took
+    one such port before its dashboard bound it, in CI) nor one of `ray start`'s worker ports."""
+    import socket
+
+    from pipeline.cluster import RAY_CLI_WORKER_PORTS, _ephemeral_ports, free_loopback_port
+
+    low, high = _ephemeral_ports()
+    ports = {free_loopback_port() for _ in range(20)}
+    assert len(ports) > 1  # random: two stages starting together rarely pick the same one
+    for port in ports:
+        assert not low <= port <= high and not RAY_CLI_WORKER_PORTS[0] <= port <= RAY_CLI_WORKER_PORTS[1], port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
 def test_augment_dataset_stats_accepted():
     p = load_params(ROOT / "params.yaml", overrides={"finetune.augment": {"mean": "dataset", "std": "dataset"}})
     assert p.finetune.augment == {"mean": "dataset", "std": "dataset"}
