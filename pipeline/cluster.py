@@ -193,9 +193,9 @@ def wait_for_resources(ray_cfg: RayConfig) -> None:
 def _wait_for(need: dict[str, float], ray_cfg: RayConfig) -> None:
     import ray
 
-    start = next_report = time.monotonic()
+    have = ray.cluster_resources()
+    start = next_report = time.monotonic()  # from the cluster's first answer: a slow first call is no wait
     while True:
-        have = ray.cluster_resources()
         short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) < v}
         if not short:
             return
@@ -203,10 +203,12 @@ def _wait_for(need: dict[str, float], ray_cfg: RayConfig) -> None:
         what = ", ".join(f"{v:g} {k} (cluster has {h:g})" for k, (v, h) in short.items())
         if waited >= ray_cfg.resource_wait_s:
             raise ConfigError(f"ray.num_workers={ray_cfg.num_workers} x {worker_resources(ray_cfg)} per worker "
-                              f"needs {what} after {waited:.0f} s (ray.resource_wait_s); lower ray.num_workers / "
-                              f"cpus_per_worker / gpus_per_worker, set ray.use_gpu: false, or add nodes")
+                              f"needs {what} after {ray_cfg.resource_wait_s:g} s (ray.resource_wait_s); lower "
+                              f"ray.num_workers / cpus_per_worker / gpus_per_worker, set ray.use_gpu: false, "
+                              f"or add nodes")
         if time.monotonic() >= next_report:
             next_report += WAIT_REPORT_S
             print(f"[ray] waiting up to {ray_cfg.resource_wait_s - waited:.0f} s for the cluster to offer {what}",
                   flush=True)
         time.sleep(1)
+        have = ray.cluster_resources()

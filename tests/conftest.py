@@ -60,6 +60,30 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Ray Train's controller logs this WARNING with a traceback when its 5 s call to the autoscaling
+# coordinator times out, which it does on an overloaded machine (two test processes on two cores);
+# Ray's own words: "safe to ignore" when transient.
+_RAY_OVERLOAD_WARNING = re.compile(r"Failed to (send|cancel) resource request for train-")
+_RAY_PREFIX = re.compile(r"^\(\S+ pid=\d+(, ip=\S+)?\) ")  # "(TrainController pid=123) ", where Ray adds it
+
+
+def tracebacks(stderr: str) -> list[str]:
+    """The tracebacks in ``stderr``, less those of Ray Train's overload warning (above)."""
+    found, lines = [], [_RAY_PREFIX.sub("", line) for line in stderr.splitlines()]
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback") and not (i and _RAY_OVERLOAD_WARNING.search(_warning_of(lines, i))):
+            found.append("\n".join(lines[i:i + 30]))
+    return found
+
+
+def _warning_of(lines: list[str], i: int) -> str:
+    """The log line a traceback at ``lines[i]`` belongs to (before any chained one's "During handling")."""
+    while i and (lines[i - 1].startswith(("Traceback", " ", "During handling", "The above exception"))
+                 or not lines[i - 1].strip() or re.match(r"[\w.]+(Error|Exception)\b", lines[i - 1])):
+        i -= 1
+    return lines[i - 1] if i else ""
+
+
 def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """SIGTERM the process group that ``proc`` leads (started with start_new_session), then SIGKILL."""
     if proc.poll() is None or _group_alive(proc.pid):

@@ -30,7 +30,7 @@ def fail_once(step: int, ctx, spec: str) -> None:
     if step != int(at) or ctx.rank != ctx.world_size - 1 or Path(marker).exists():
         return
     Path(marker).write_text(f"failed at step {step}\n")
-    time.sleep(5)  # let Ray Train's controller collect the last report (it polls every 2 s)
+    time.sleep(5)  # let Ray Train's controller collect the last report (a kill before that: found on disk)
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "oom":

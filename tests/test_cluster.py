@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import tracebacks
 from tests.repo_copy import copy_repo_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,7 +274,7 @@ def test_stage_on_a_too_small_cluster_waits_then_names_what_is_missing(ray_head,
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[ray] waiting up to 3 s for the cluster to offer 4 CPU (cluster has 2)" in proc.stdout, proc.stdout[-2000:]
     assert "needs 4 CPU (cluster has 2) after 3 s (ray.resource_wait_s)" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and not (tmp_path / "ws/models/pretrain").exists()
+    assert not tracebacks(proc.stderr) and not (tmp_path / "ws/models/pretrain").exists()
 
 
 _STATE_API_PROBE = """
@@ -301,7 +302,7 @@ def test_local_stage_beside_another_ray_finds_its_own_state_api(ray_head, env_fa
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0 and "actors seen from a task: 0" in proc.stdout, proc.stdout + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    assert not tracebacks(proc.stderr)
 
 
 @pytest.mark.slow

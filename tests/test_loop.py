@@ -702,7 +702,7 @@ def test_a_budget_planned_after_a_resume_leaves_out_the_launch_costs(digits_dir,
     model = _model()
     cfg = dataclasses.replace(_cfg(model.config.to_dict(), epochs=30, warmup_epochs=3.0, time_budget_minutes=0.5),
                               shard_dir=str(digits_dir), steps_per_epoch=3, warmup_steps=9)
-    run = LoopRun(init_state=model.state_dict(), step_hooks=("tests.test_loop:launch_cost=4.0",))
+    run = LoopRun(init_state=model.state_dict(), step_hooks=("tests.test_loop:launch_cost=10.0",))
 
     def pace(run_dir, resume_from=None) -> float:
         with pytest.raises(RuntimeError, match="stopped after the plan"):
@@ -713,9 +713,9 @@ def test_a_budget_planned_after_a_resume_leaves_out_the_launch_costs(digits_dir,
     whole = pace(tmp_path / "whole")
     first = tmp_path / "whole" / list_checkpoints(str(tmp_path / "whole"))[0]
     resumed = pace(tmp_path / "resumed", resume_from=str(first))
-    # with the resumed launch's 4 s start-up in its pace, ~2 s more per epoch than the whole run's (a loaded
-    # machine slows both alike)
-    assert resumed < whole + 1.5, (whole, resumed)
+    # with the resumed launch's 10 s start-up in its pace, ~5 s more per epoch than the whole run's (a loaded
+    # machine slows both alike, or a stalled epoch one of them by a second or two)
+    assert resumed < whole + 3, (whole, resumed)
 
 
 def test_layer_decay_reaches_a_ddp_wrapped_model(tmp_path):

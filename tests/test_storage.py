@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from pipeline import storage
+from tests.conftest import tracebacks
 from tests.faults import fault_env, hook_env
 from tests.repo_copy import copy_repo_files
 from pipeline.config import DataConfig
@@ -337,7 +338,7 @@ def test_object_store_out_of_reach_is_one_line(s3_server, mlflow_server, env_fac
 
     def last_line(argv: list[str], env: dict[str, str]) -> str:
         out = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]
+        assert out.returncode == 1 and not tracebacks(out.stderr), out.stdout[-2000:] + out.stderr[-3000:]
         return out.stderr.strip().splitlines()[-1]
 
     no_credentials = ("error: object storage: Unable to locate credentials: set AWS_ACCESS_KEY_ID and "

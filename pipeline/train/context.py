@@ -59,19 +59,19 @@ def _fallback(resume_from: Optional[str]) -> contextlib.AbstractContextManager[O
 
 
 class RayContext(TrainContext):
-    """Ray Train's worker context. ``resume_from`` (a checkpoint of this run written by the local
-    runner) is used only when Ray has no checkpoint of its own for the run. ``staging_dir`` is the run's
-    folder when checkpoints are on a local disk; by default, the run's folder in rank 0's temp dir."""
+    """Ray Train's worker context. ``run_dir``: the run's folder when checkpoints are on a local disk,
+    where rank 0 writes them and where a newer one than Ray's (written by the local runner, or just before
+    a kill) is found; without it (object storage), rank 0 stages them in the run's folder in its temp dir."""
 
-    def __init__(self, resume_from: Optional[str] = None, staging_dir: Optional[str] = None):
+    def __init__(self, run_dir: Optional[str] = None):
         import ray.train
         import ray.train.torch
 
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
-        self.resume_from = resume_from
-        self.staging_dir = staging_dir or node_staging_dir(ctx.get_experiment_name())
+        self.run_dir = run_dir
+        self.staging_dir = run_dir or node_staging_dir(ctx.get_experiment_name())
         if self.rank == 0:
             prepare_staging(self.staging_dir)
 
@@ -86,12 +86,14 @@ class RayContext(TrainContext):
                          checkpoint_dir_name=checkpoint_name() if checkpoint else None)
 
     def resume_dir(self):
-        """Ray's checkpoint of the run, unless a newer complete one is on disk: Ray restores from the
-        state it recorded last, which lags behind checkpoints written just before a kill."""
+        """Ray's checkpoint of the run, unless a newer complete one is on disk now: Ray restores from the
+        state it recorded last, which lags behind a checkpoint written just before a kill, also when a
+        lost rank restarts the worker group mid-run (a check at the stage's start misses that one)."""
         import ray.train
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None or newer_on_disk(self.resume_from, checkpoint.path):
-            return _fallback(self.resume_from)
+        on_disk = latest_checkpoint(self.run_dir) if self.run_dir else None
+        if checkpoint is None or newer_on_disk(on_disk, checkpoint.path):
+            return _fallback(on_disk)
         return checkpoint.as_directory()
 
 

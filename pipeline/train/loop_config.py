@@ -76,5 +76,5 @@ class LoopRun:
     run_id: Optional[str] = None
     tracking_uri: Optional[str] = None
     resume_from: Optional[str] = None
-    staging_dir: Optional[str] = None  # where rank 0 writes checkpoints before reporting them; None: rank 0's temp dir
+    staging_dir: Optional[str] = None  # the run's folder on a local disk (checkpoints go there); None: object storage
     step_hooks: tuple[str, ...] = ()
