@@ -116,7 +116,10 @@ case $cmd in
       sleep 0.25
     done
     alive=$(alive_pids $pids)
-    if [[ -n $alive ]]; then kill -KILL $alive 2>/dev/null || true; fi
+    if [[ -n $alive ]]; then  # SIGKILL is not instant: the ports are free once they are gone
+      kill -KILL $alive 2>/dev/null || true
+      for _ in $(seq 20); do [[ -z $(alive_pids $alive) ]] && break; sleep 0.25; done
+    fi
     rm -f "$dir/sid"
     echo "Ray head stopped ($(echo $pids | wc -w) processes)"
     ;;
