@@ -369,3 +369,31 @@ def test_checkpoints_newest_complete_first_and_pruned(tmp_path):
     assert list_checkpoints(str(run_dir)) == ["checkpoint_2026-01-02_00-00-00.000001",
                                               "checkpoint_2026-01-03_00-00-00.000001_local"]
     assert sorted(os.listdir(run_dir)) == list_checkpoints(str(run_dir)) and len(removed) == 3
+
+
+def test_a_restarted_ray_worker_group_resumes_from_the_newest_complete_checkpoint_on_disk(tmp_path, monkeypatch):
+    """After a lost rank, Ray restarts the worker group from the checkpoint it recorded last; one written
+    just before the loss is newer and on disk: the ranks take it (Ray's is taken when it is the newest, and
+    always where checkpoints are in object storage)."""
+    import ray.train
+
+    from pipeline.train.context import RayContext
+
+    run_dir = tmp_path / "run"
+    recorded, written, cut = (run_dir / f"checkpoint_2026-01-0{d}_00-00-00.000001" for d in (1, 2, 3))
+    for folder in (recorded, written, cut):
+        folder.mkdir(parents=True)
+        torch.save({"step": 1}, folder / STATE_FILE)
+    (cut / STATE_FILE).write_bytes((cut / STATE_FILE).read_bytes()[:-30])  # killed while being written
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: ray.train.Checkpoint.from_directory(str(recorded)))
+    ctx = RayContext.__new__(RayContext)  # its __init__ asks Ray Train for the worker's rank and device
+
+    def resumed_from(run_dir) -> Path:
+        ctx.run_dir = run_dir and str(run_dir)
+        with ctx.resume_dir() as d:
+            return Path(d)
+
+    assert resumed_from(run_dir) == written
+    assert resumed_from(None) == recorded  # object storage: nothing on this disk to compare
+    shutil.rmtree(written)
+    assert resumed_from(run_dir) == recorded
