@@ -171,8 +171,7 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
     remote = storage_fs is not None or storage.is_url(storage_path)
     run_dir = None if remote else str(Path(storage_path) / spec.run_name)
-    run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=configured_uri(),
-                  resume_from=latest_checkpoint(run_dir) if run_dir else None, staging_dir=run_dir,
+    run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=configured_uri(), run_dir=run_dir,
                   step_hooks=step_hooks_from_env() + tuple(step_hooks))
     loop, world = spec.loop, params.ray.world_size
     print(f"[{spec.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
@@ -181,7 +180,7 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
           f"per rank{_graph_note(loop, params.ray)}, run {spec.run_name}", flush=True)
     try:
         if params.ray.backend == "local":
-            final, checkpoint = _fit_local(spec, run, params, run_dir)
+            final, checkpoint = _fit_local(spec, run, params)
         else:
             final, checkpoint = _fit_ray(spec, run, params, storage_path, storage_fs)
     except BaseException:  # failed or interrupted: a rank killed while writing a checkpoint left it half-written
@@ -229,15 +228,15 @@ def check_finished(spec: RunSpec, final: dict | None) -> None:
         f"than fp16, then run again (changed params start a new run)")
 
 
-def _fit_local(spec: RunSpec, run: LoopRun, params: Params, run_dir: str) -> tuple[dict | None, str | None]:
+def _fit_local(spec: RunSpec, run: LoopRun, params: Params) -> tuple[dict | None, str | None]:
     """The final checkpoint's state and where it is (None, None without one)."""
     from pipeline.train.context import LocalContext
     from pipeline.train.worker import run_loop
 
-    ctx = LocalContext(run_dir, use_gpu=params.ray.use_gpu, keep=params.ray.checkpoints_to_keep,
-                       resume_from=run.resume_from)
+    ctx = LocalContext(run.run_dir, use_gpu=params.ray.use_gpu, keep=params.ray.checkpoints_to_keep,
+                       resume_from=latest_checkpoint(run.run_dir))
     run_loop(spec.loop, run, ctx)
-    checkpoint = latest_checkpoint(run_dir)
+    checkpoint = latest_checkpoint(run.run_dir)
     return (load_state(checkpoint), checkpoint) if checkpoint else (None, None)
 
 
@@ -250,8 +249,9 @@ def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str,
         result = _ray_trainer(spec, run, params, storage_path, storage_fs).fit()
     # a run that had already finished on disk (by the local runner, or just before Ray recorded its last
     # checkpoint) reports nothing this launch: its newest checkpoint is the one the ranks resumed from
-    if newer_on_disk(run.resume_from, result.checkpoint and result.checkpoint.path):
-        return load_state(run.resume_from), run.resume_from
+    on_disk = latest_checkpoint(run.run_dir) if run.run_dir else None
+    if newer_on_disk(on_disk, result.checkpoint and result.checkpoint.path):
+        return load_state(on_disk), on_disk
     if result.checkpoint is None:
         return None, None
     with result.checkpoint.as_directory() as d:  # a temporary local copy when the storage is remote

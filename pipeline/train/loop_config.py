@@ -67,14 +67,13 @@ class LoopConfig:
 @dataclass
 class LoopRun:
     """One launch of a run: initial weights (a state dict, or a Ray object ref to one), the MLflow
-    run rank 0 logs into, a checkpoint of this run to resume from when the runner has none of its
-    own (written by the other runner), and the step hooks (see :func:`pipeline.train.worker.load_step_hooks`).
+    run rank 0 logs into, the run's folder (whose newest complete checkpoint either runner resumes
+    from), and the step hooks (see :func:`pipeline.train.worker.load_step_hooks`).
 
     Hooks travel as importable names, not functions, because Ray ranks are other processes."""
 
     init_state: Any
     run_id: Optional[str] = None
     tracking_uri: Optional[str] = None
-    resume_from: Optional[str] = None
-    staging_dir: Optional[str] = None  # the run's folder on a local disk (checkpoints go there); None: object storage
+    run_dir: Optional[str] = None  # the run's folder on a local disk (checkpoints go there); None: object storage
     step_hooks: tuple[str, ...] = ()

@@ -144,7 +144,7 @@ def train_loop_per_worker(args: dict) -> None:
 
     run: LoopRun = args["run"]
     run = dataclasses.replace(run, init_state=ray.get(run.init_state))
-    run_loop(args["cfg"], run, RayContext(run.staging_dir))
+    run_loop(args["cfg"], run, RayContext(run.run_dir))
 
 
 def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
