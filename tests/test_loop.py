@@ -199,6 +199,7 @@ def _printed_ratio(printed: str, num: float, den: float) -> None:
     assert float(printed) == pytest.approx(ratio, abs=0.5 * 10 ** -decimals + ratio * (0.5 / num + 0.5 / den))
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
     """The README's benchmark command, shortened, compiled, with --compare-eager, --compare-mode, --compare-graph
     and --profile
@@ -535,6 +536,7 @@ def test_run_name_changes_with_the_training_code(digits_dir, tmp_path, monkeypat
     assert run_name() != before
 
 
+@pytest.mark.slow
 def test_input_scaling_reports_each_worker_count(digits_dir):
     """``--input-scaling``: the input alone per loader-worker count in the steady state, with where the CPU
     time goes (this process vs the workers), as the GPU runbook runs it; a bad count is one clear line."""
@@ -653,6 +655,7 @@ def test_checkpoint_every_steps_holds_at_epoch_ends(digits_dir, tmp_path):
                                                                               (12, 4, 0)]
 
 
+@pytest.mark.slow
 def test_a_launch_resumed_mid_epoch_keeps_the_time_before_its_checkpoint(digits_dir, tmp_path):
     """``wall_time_s`` (and with it the thresholds' times and a budget's spent time) counts the steps
     trained before a mid-epoch checkpoint: resumed there, the run reports the time of the whole run."""
@@ -692,6 +695,7 @@ def launch_cost(step: int, ctx, seconds: str) -> None:
     time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_budget_planned_after_a_resume_leaves_out_the_launch_costs(digits_dir, tmp_path, capsys):
     """The plan's pace leaves out the first epoch of each launch (its start-up costs): resumed after
     epoch 1, a run plans at the pace of the run that never stopped, not slowed by a second start-up."""

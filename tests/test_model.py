@@ -708,6 +708,7 @@ def test_speed_benchmark_refuses_an_unknown_case():
     assert proc.stderr.strip().splitlines()[-1] == "model_speed.py: error: --cases: foo not among nano, tiny"
 
 
+@pytest.mark.slow
 def test_speed_benchmark_against_timm_runs():
     """``benchmarks/model_speed.py`` (the README's figures against timm), shrunk to the nano case, with
     its noise control and kernel breakdown: both modes timed for ours, timm and the copy, same logits."""

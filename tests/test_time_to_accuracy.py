@@ -85,6 +85,7 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
         {k: v for k, v in report.items() if k != "command_wall_time_s"}  # same wall times: no epoch re-run
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
     missing = run_as_on_gpu_box(SCRIPT, "--shards", tmp_path / "nope", "--workdir", tmp_path / "work")
     unknown = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
@@ -114,6 +115,7 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
     assert re.search(r"\[pretrain\] diverged: the training loss is \S+ at step \d+ \(epoch 1\)", diverged.stdout)
 
 
+@pytest.mark.slow
 def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     """The README's GPU command as written (``configs/cifar10-1gpu.yaml --cifar --stages pretrain``) on
     a CIFAR-shaped tarball of a few images, made CPU-sized with --set: the shards follow the recipe's
@@ -205,6 +207,7 @@ def test_cifar_extraction_is_all_or_nothing(tmp_path):
     assert extract_cifar(dest, tarball) == dest  # already there: the tarball is not needed again
 
 
+@pytest.mark.slow
 def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
     """benchmarks/plain_loop.py: the recipe (RandAugment, erasing, MixUp / CutMix included) trained without the
     pipeline's loop (docs/gpu.md's check that the loop is not what limits accuracy), on a GPU box's packages; a
