@@ -36,8 +36,11 @@ export RAY_AUTH_MODE=token
 die() { echo "ray-head: $*" >&2; exit 1; }
 command -v ray >/dev/null || die "ray not found on PATH (source .venv/bin/activate)"
 
-ensure_token() {
+# A subshell: its umask makes the token file private from its creation (a chmod after it left a
+# moment in which others could read it), and the caller's umask stays as it was.
+ensure_token() (
   [[ -n ${RAY_AUTH_TOKEN:-} ]] && return
+  umask 077
   if [[ -n ${RAY_AUTH_TOKEN_PATH:-} ]]; then
     [[ -s $RAY_AUTH_TOKEN_PATH ]] && return
     # Ray's generator writes ~/.ray/auth_token: run it with a private HOME, move the file into place.
@@ -51,7 +54,7 @@ ensure_token() {
     ray get-auth-token --generate >/dev/null  # no-op when ~/.ray/auth_token exists
     chmod 600 "$HOME/.ray/auth_token"
   fi
-}
+)
 
 # Every process of the head: the session started by `start` (recorded in $dir/sid) plus all their
 # descendants (Ray workers and job drivers may move to sessions / groups of their own).

@@ -19,10 +19,12 @@ from tests.conftest import clean_env
 ROOT = Path(__file__).resolve().parents[1]
 
 STUB_RAY = r"""#!/usr/bin/env bash
-# stub: records its arguments; `get-auth-token --generate` writes $HOME/.ray/auth_token
+# stub: records its arguments; `get-auth-token --generate` writes $HOME/.ray/auth_token (as Ray does,
+# under the caller's umask) and records the mode it was created with
 printf '%s\n' "$@" >> "$STUB_LOG"
 if [[ ${1:-} == get-auth-token && ${2:-} == --generate ]]; then
   mkdir -p "$HOME/.ray" && echo 0123456789abcdef > "$HOME/.ray/auth_token"
+  stat -c %a "$HOME/.ray/auth_token" >> "$STUB_LOG.modes"
 fi
 exit 0
 """
@@ -109,6 +111,22 @@ def test_ray_head_env_file_sources_with_a_token_path_holding_spaces(stub_ray, tm
         assert sourced.returncode == 0 and sourced.stderr == "", sourced.stderr
         assert sourced.stdout == str(token)
     finally:  # the stub `ray start` left no process behind: stop finds nothing to kill
+        subprocess.run(["bash", script, "stop"], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_ray_head_token_in_home_is_private_from_its_creation(stub_ray, tmp_path):
+    """Without RAY_AUTH_TOKEN(_PATH) `start` has Ray generate ~/.ray/auth_token. Made under the shell's
+    umask (022) and chmod-ed after, it was readable by every user for a moment; now it is created 600."""
+    env = stub_ray.env(RAY_HEAD_DIR=str(tmp_path / "head"))
+    token = Path(env["HOME"]) / ".ray" / "auth_token"
+    script = str(ROOT / "infra/ray-head.sh")
+    try:
+        start = subprocess.run(["bash", "-c", 'umask 022 && exec bash "$0" start', script], env=env,
+                               capture_output=True, text=True, timeout=60)
+        assert start.returncode == 0, start.stdout + start.stderr
+        assert Path(f"{stub_ray.log}.modes").read_text().split() == ["600"], "token readable by others at first"
+        assert token.stat().st_mode & 0o777 == 0o600
+    finally:
         subprocess.run(["bash", script, "stop"], env=env, capture_output=True, text=True, timeout=60)
 
 
