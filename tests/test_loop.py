@@ -549,7 +549,8 @@ def test_input_scaling_reports_each_worker_count(digits_dir):
             if len(r) == 6 and r[0].isdigit()}
     assert sorted(rows) == [0, 2]
     for count, (rate, per_worker, ms, main_cpu, workers_cpu) in rows.items():
-        assert rate > 0 and abs(ms - 64 / rate * 1e3) <= 0.051  # ms/batch as printed: 1 decimal
+        # ms/batch from img/s, both as printed: ms to 0.05, img/s to 0.5 (at 3,084 img/s that is 0.0034 ms more)
+        assert rate > 0 and abs(ms - 64 / rate * 1e3) <= 0.05 + 64e3 * 0.5 / (rate - 0.5) ** 2 + 1e-9
         assert per_worker == pytest.approx(rate / max(count, 1), rel=0.01)
         assert main_cpu > 0
     assert rows[0][4] == 0 and rows[2][4] > 0  # no workers: all in this process; two: they did the work
