@@ -5,10 +5,15 @@ dump), so a stage killed by a scheduler or `kill` left its MLflow run RUNNING. :
 makes SIGTERM / SIGINT raise :class:`StageInterrupted` instead: context managers unwind (the MLflow
 run is marked KILLED), and the stage exits with 128 + the signal number and one line of explanation.
 It is installed when a stage starts and again after Ray starts (which replaces the handler).
+
+Once the stage is stopping, a second signal (Ctrl-C pressed again) is only recorded: raised inside the
+clean-up, it cut Ray's shutdown short (the stage then exited 1, not 130). A third ends the process at once.
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -17,19 +22,28 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
 class StageInterrupted(KeyboardInterrupt):
-    """The stage received ``signum``; a KeyboardInterrupt, so code that cleans up on Ctrl-C also runs."""
+    """The stage received ``signum``; a KeyboardInterrupt, so code that cleans up on Ctrl-C also runs.
+    Made here or from a held signal, it marks the stage as stopping."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        _stopping.append(signum)
 
 
 _received: list[int] = []  # what arrived: Ray turns an interrupted ray.get into a plain KeyboardInterrupt
+_stopping: list[int] = []  # the signals acted on, then those that arrived during the clean-up
 
 
 def _raise(signum: int, _frame) -> None:
     _received.append(signum)
-    raise StageInterrupted(signum)
+    if not _stopping:
+        raise StageInterrupted(signum)
+    _stopping.append(signum)  # the clean-up goes on
+    if len(_stopping) >= 3:
+        print(f"error: stopped by {signal.Signals(signum).name} a third time: its clean-up was cut short (its "
+              "MLflow run may stay RUNNING); run the stage again", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
 
 def received(exc: KeyboardInterrupt) -> int:
@@ -40,6 +54,7 @@ def received(exc: KeyboardInterrupt) -> int:
 def raise_on_signals() -> None:
     """Route SIGTERM and SIGINT to :class:`StageInterrupted` (main thread only; a no-op elsewhere)."""
     if threading.current_thread() is threading.main_thread():
+        _stopping.clear()  # a stage starting (or Ray started): nothing is stopping
         for sig in HANDLED:
             signal.signal(sig, _raise)
 

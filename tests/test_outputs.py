@@ -9,6 +9,8 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from pipeline import cli
 from pipeline.outputs import PARTIAL, StagedOutputs, staged_outputs
 from pipeline.signals import StageInterrupted
 from pipeline.utils import atomic_write_text
+from tests.conftest import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,6 +152,40 @@ def test_a_stop_before_publishing_says_the_outputs_were_not_replaced(stage_dir, 
     assert stop.value.code == 128 + signal.SIGINT
     assert capsys.readouterr().err.startswith("error: stopped by SIGINT; outputs of this stage were not replaced")
     assert not Path("metrics/demo.json").exists() and not list(stage_dir.rglob(f"{PARTIAL}*"))
+
+
+STOPPING_STAGE = """
+import os, signal, sys, time
+from pathlib import Path
+from pipeline import cli
+
+def demo(params):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+    finally:  # the clean-up (the MLflow run ended, Ray shut down) while Ctrl-C is pressed again
+        for _ in range(int(sys.argv[1])):
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        Path("cleaned-up").touch()
+
+cli.run_stage(demo)
+"""
+
+
+@pytest.mark.parametrize("again", [1, 2])
+def test_ctrl_c_again_while_the_stage_cleans_up(stage_dir, again):
+    """Ctrl-C pressed again while a stopping stage cleans up raised inside the clean-up: Ray's shutdown cut
+    short (the stage exited 1, not 130). Now a second is recorded and the clean-up ends; a third ends the
+    process at once, saying so."""
+    proc = subprocess.run([sys.executable, "-c", STOPPING_STAGE, str(again)], cwd=stage_dir, capture_output=True,
+                          text=True, timeout=60, env=clean_env(PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 128 + signal.SIGINT and len(proc.stderr.splitlines()) == 1, proc.stderr
+    if again == 1:
+        assert (stage_dir / "cleaned-up").exists(), "the clean-up was cut short"
+        assert proc.stderr.startswith("error: stopped by SIGINT; outputs of this stage were not replaced")
+    else:
+        assert not (stage_dir / "cleaned-up").exists()
+        assert proc.stderr.startswith("error: stopped by SIGINT a third time: its clean-up was cut short")
 
 
 def test_a_lock_file_left_with_garbage_does_not_block(tmp_path, monkeypatch):
