@@ -3,6 +3,7 @@ cluster YAML's shell lines run as Ray runs them, pipeline.cluster against a fake
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -188,7 +189,17 @@ def test_wait_for_resources_withdraws_its_autoscaler_request(monkeypatch):
     assert calls.requests[-1] == {"bundles": []}
 
 
-def test_init_ray_passes_the_users_ray_train_settings_to_the_ranks(monkeypatch):
+@pytest.fixture
+def own_environ():
+    """``init_ray`` sets its defaults in ``os.environ`` (``setdefault``): put the environment back after the
+    test, so they do not reach the later tests' children in the same test process."""
+    saved = os.environ.copy()
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_init_ray_passes_the_users_ray_train_settings_to_the_ranks(own_environ, monkeypatch):
     """Its "0"s are defaults: RAY_TRAIN_ENABLE_PRINT_PATCH=1 set by the user reached the driver but the
     ranks got "0" (the runtime env's value), unlike RAY_TRAIN_ENABLE_PREEMPTION_WATCHER."""
     import pipeline.cluster as cluster
@@ -277,7 +288,7 @@ def test_ray_head_refuses_a_taken_port_before_starting(stub_ray, tmp_path):
     assert not stub_ray.log.exists() or "--head" not in stub_ray.log.read_text()
 
 
-def test_init_ray_in_a_job_leaves_the_job_s_own_variables_to_it(monkeypatch):
+def test_init_ray_in_a_job_leaves_the_job_s_own_variables_to_it(own_environ, monkeypatch):
     """Inside a Ray job whose runtime env sets RAY_TRAIN_ENABLE_PRINT_PATCH (infra/submit.sh with
     VIT_JOB_ENV=RAY_TRAIN_ENABLE_PRINT_PATCH=1), ray.init must not set it again: Ray refuses to merge the
     two runtime envs, and every stage of the job stopped with a traceback printing the job's variables."""
