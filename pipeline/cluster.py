@@ -22,6 +22,11 @@ WAIT_REPORT_S = 30  # how often a wait for cluster resources says so
 # on one H100) waited ~0.4 s per report. Ray passes the variable on to its controller and ranks.
 REPORT_POLL_VAR, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
 RAY_CLI_WORKER_PORTS = (10002, 19999)  # what `ray start` gives its workers (a head on this machine)
+# Ray Train's controller logs these with a 20-line traceback whenever its 5 s call to the autoscaling
+# coordinator times out, which a busy machine makes happen; Ray's own words: "safe to ignore" when
+# transient. A Ray instance of the stage's own has no autoscaler to tell, so its processes drop them.
+COORDINATOR_LOGGER = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
+COORDINATOR_TIMEOUTS = ("Failed to send resource request for train-", "Failed to cancel resource request for train-")
 
 
 def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
@@ -95,7 +100,20 @@ def _start_local(ray_cfg: RayConfig, kwargs: dict, dashboard: bool) -> None:
         port = free_loopback_port()
         kwargs["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
+    if not ray_cfg.verbose:
+        kwargs["runtime_env"]["worker_process_setup_hook"] = drop_coordinator_timeouts
     ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, **kwargs)
+
+
+class _CoordinatorTimeouts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(COORDINATOR_TIMEOUTS)
+
+
+def drop_coordinator_timeouts() -> None:
+    """Run by Ray in each process of a local instance as it starts (``worker_process_setup_hook``): the
+    controller's autoscaling-coordinator timeouts (:data:`COORDINATOR_TIMEOUTS`) are not logged."""
+    logging.getLogger(COORDINATOR_LOGGER).addFilter(_CoordinatorTimeouts())
 
 
 def free_loopback_port() -> int:
