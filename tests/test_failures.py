@@ -156,7 +156,7 @@ def test_only_ray_trains_overload_warning_is_not_counted_as_a_traceback():
 
 # In a Ray task: the autoscaling-coordinator client of Ray Train's controller, its call timing out at once.
 _COORDINATOR_PROBE = """
-import logging, ray, sys
+import logging, ray
 from pipeline.cluster import COORDINATOR_LOGGER, init_ray
 from pipeline.config import RayConfig
 
