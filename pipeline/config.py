@@ -373,6 +373,7 @@ def validate(p: Params) -> Params:
 
 def check_data(d: DataConfig, key: str = "data.<name>") -> None:
     """One ``data.<name>`` section; also the shard stage's own check of a spec built in code."""
+    from pipeline.data.records import check_unique
     from pipeline.data.sources import ROOTED, SOURCES
     from pipeline.data.splits import check_fraction, check_fractions
 
@@ -386,6 +387,8 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
     try:  # the shard stage's own checks, its messages under the section's keys
         check_fractions(d.val_fraction, d.test_fraction)
         check_fraction("max_bad_fraction", d.max_bad_fraction)
+        if d.class_names is not None:
+            check_unique([str(c) for c in d.class_names], "class_names")
     except ValueError as exc:
         raise ConfigError(f"{key}.{exc}") from None
     for k in ("maxcount", "maxsize", "samples_per_class", "image_size"):

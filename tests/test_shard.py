@@ -453,6 +453,8 @@ def test_parquet_errors(tmp_path):
     src = make_hf_parquet(tmp_path / "pq")
     with pytest.raises(ValueError, match=r"label 2 is unknown; valid labels are 0..1"):
         shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=src, class_names=["x", "y"]))
+    with pytest.raises(ValueError, match=r"class_names names \['x'\] more than once"):  # every source alike
+        shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=src, class_names=["x", "y", "x"]))
     (src / "imgs" / "3.png").unlink()
     with pytest.raises(FileNotFoundError, match="imgs/3.png"):
         shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=src))

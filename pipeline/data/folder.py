@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .pixels import IMAGE_EXTS
-from .records import SPLIT_DIRS, check_labels, check_split_names, check_unique, records_from_splits
+from .records import SPLIT_DIRS, check_labels, check_split_names, records_from_splits
 from .splits import SourceListing, carve_splits
 
 LAYOUT = "root/<class>/<image> or root/{train,val,test}/<class>/<image>"
@@ -95,7 +95,6 @@ def imagefolder_listing(*, root, seed, val_fraction, test_fraction, class_names,
                          f"(its split directories); expected {LAYOUT}")
     if class_names is not None:
         classes = [str(c) for c in class_names]
-        check_unique(classes, "class_names")
         unknown = sorted(set(found) - set(classes))
         if unknown:
             raise ValueError(f"class directories {unknown} under {root} are not in class_names {classes}")

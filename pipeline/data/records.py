@@ -38,7 +38,6 @@ def resolve_classes(class_names: Optional[Sequence[str]], default: Sequence[str]
     names = [str(c) for c in class_names]
     if len(names) != len(default):
         raise ValueError(f"class_names has {len(names)} names but {where} has {len(default)} classes")
-    check_unique(names, "class_names")
     return names
 
 
