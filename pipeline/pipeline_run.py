@@ -73,7 +73,8 @@ def ui_link(tracking_uri: str, experiment_id: str) -> str:
 
 
 def pipeline_params(params: Params) -> dict[str, str]:
-    """Every params.yaml value, flattened, plus what is derived from them (world size, patch sizes)."""
+    """Every params.yaml value, flattened, plus what is derived from them (world size, patch sizes); not the
+    ``mlflow`` section (where the runs go, not what they are), and of ``data.<name>`` what its source reads."""
     flat = {k: v for k, v in flatten(params).items() if not k.startswith(("mlflow.", "data."))}
     for name in ("pretrain", "finetune"):
         flat.update(data_params(params, name))

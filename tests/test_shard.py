@@ -340,6 +340,12 @@ def test_stage_warns_about_skips_empty_test_and_unlearnable_class(tmp_path):
         "splits of their own): the evaluate and export stages have no test images",
         "class 'eel' has no train images (val 2, test 0): the model cannot learn it",
     ], proc.stderr
+    # what evaluate and export then say: only a test split of its own fills it, no fraction does
+    from pipeline.data.loader import require_split
+    shards = tmp_path / "data/shards/pretrain"
+    with pytest.raises(ValueError, match=r"\(the source has no test split; .*\): the evaluate and export stages "
+                                         r"have no test images; give the source a test/ folder, then run the shard"):
+        require_split(shards, read_dataset_info(shards), "test")
 
 
 def test_full_disk_is_one_line_and_keeps_the_previous_output(tmp_path, monkeypatch, capsys):

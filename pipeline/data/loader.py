@@ -32,7 +32,7 @@ from pipeline.utils import DATASET_INFO
 
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
-from .splits import EMPTY_SPLIT_EFFECT, why_empty
+from .splits import EMPTY_SPLIT_EFFECT, lacks_given_test, why_empty
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
 from .tario import IndexedShards, TarFormatError, tarfile_samples
 from .transforms import BatchFinish, SampleTransform
@@ -100,8 +100,9 @@ def require_split(shard_dir, info: dict, split: str) -> None:
         return
     name = _shard_stage(shard_dir)
     key = f"data.{name}.{split}_fraction" if name else f"{split}_fraction"
+    fix = f"give the source a {split}/ folder" + ("" if lacks_given_test(info, split) else f" or set {key} above 0")
     raise ValueError(f"{shard_dir} holds no {split} images ({why_empty(info, split)}): {EMPTY_SPLIT_EFFECT[split]}; "
-                     f"give the source a {split}/ folder or set {key} above 0, then {_reshard(shard_dir)}")
+                     f"{fix}, then {_reshard(shard_dir)}")
 
 
 def require_classes(shard_dir, info: dict, model_dir, classes: list[str]) -> None:

@@ -90,9 +90,15 @@ EMPTY_SPLIT_EFFECT = {"val": "training's val_loss / val_top1 (and keep: best) ha
                       "test": "the evaluate and export stages have no test images"}
 
 
+def lacks_given_test(info: dict, split: str) -> bool:
+    """``split`` is a test split left empty by a source with splits of its own but no test one: no
+    fraction fills it (a missing val is carved from train; a missing test is not)."""
+    return split == "test" and bool(info["given_splits"]) and "test" not in info["given_splits"]
+
+
 def why_empty(info: dict, split: str) -> str:
     """Why ``dataset.json`` (``info``) counts no ``split`` samples."""
-    if split == "test" and info["given_splits"] and "test" not in info["given_splits"]:
+    if lacks_given_test(info, split):
         return "the source has no test split; test_fraction applies only to sources without splits of their own"
     return f"{split}_fraction is {info['params'][f'{split}_fraction']}"
 
