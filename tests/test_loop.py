@@ -469,9 +469,12 @@ def test_a_run_short_of_its_end_is_reported_as_diverged():
         check_finished(spec, None)
 
 
-def test_run_name_covers_every_param_the_run_logs(digits_dir):
+def test_run_name_covers_every_param_the_run_logs(digits_dir, tmp_path):
     """A resumed MLflow run cannot change a param, so the Ray run name (which picks the run to resume)
-    changes with every logged param, even one that changes nothing computed; not with ``ray.loader_workers``."""
+    changes with every logged param, even one that changes nothing computed; not with ``ray.loader_workers``,
+    nor with where the shards are (a job's scratch folder, a bucket): with what they hold."""
+    import json
+    import shutil
     from pathlib import Path
 
     from pipeline.config import load_params
@@ -481,14 +484,20 @@ def test_run_name_covers_every_param_the_run_logs(digits_dir):
     info = read_dataset_info(digits_dir)
     root = Path(__file__).resolve().parents[1]
 
-    def run_name(**overrides):
+    def run_name(shards=digits_dir, **overrides):
         params = load_params(root / "params.yaml", overrides)
         torch.manual_seed(0)  # the same initial weights each time
         model = build_vit("nano", patch_size=4, image_size=32, num_classes=10)
-        return plan_stage("finetune", params, params.finetune, model, digits_dir, info)[1].run_name
+        return plan_stage("finetune", params, params.finetune, model, shards, read_dataset_info(shards))[1].run_name
 
     base = run_name()
     assert run_name() == base and run_name(**{"ray.loader_workers": 3}) == base
+    moved = shutil.copytree(digits_dir, tmp_path / "elsewhere")
+    assert run_name(moved) == base
+    meta = json.loads((moved / "dataset.json").read_text())
+    meta["shards"]["train"][0]["sha256"] = "0" * 64  # other bytes in a shard: another run
+    (moved / "dataset.json").write_text(json.dumps(meta))
+    assert run_name(moved) != base
     # init: null loads models/pretrain whatever the layout says; 1.01 epochs round to the same warm-up steps
     for key, value in (("finetune.init_source", "timm"), ("finetune.warmup_epochs", 1.01)):
         assert run_name(**{key: value}) != base, key

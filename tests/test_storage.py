@@ -277,15 +277,17 @@ def test_job_shards_to_bucket_trains_checkpoints_and_resumes(s3_server, mlflow_s
     assert not s3_server.keys("ws/models/"), "a failed stage must not publish a model"
     shutil.rmtree(scratch)
 
-    # 3. Re-run on a wiped disk: Ray Train restores the run from the bucket and finishes epoch 2 only.
+    # 3. Re-run on a wiped disk: Ray Train restores the run from the bucket and finishes epoch 2 only,
+    # streaming the shards this time (VIT_SHARDS_URL): the same shards elsewhere are the same run.
     # Checkpoints are staged in the node's temp dir; plant what a rank killed mid-save leaves there.
     staging = Path(node_staging_dir(re.search(r"run (pretrain-\w+)", fail.stdout).group(1)))
     assert not staging.exists(), "the failed stage left its staging folder"
     (staging / f"{STAGING_PREFIX}planted{STAGING_SUFFIX}").mkdir(parents=True)
     seen = tmp_path / "staging-at-start.txt"
-    done = job("pretrain", **hook_env(f"record_staging={seen}"))
+    done = job("pretrain", VIT_SHARDS_URL=f"s3://{bucket}/ws/data/shards", **hook_env(f"record_staging={seen}"))
     logs = done.stdout + done.stderr
     assert done.returncode == 0, logs[-5000:]
+    assert not (scratch / "data").exists(), "shards were pulled instead of streamed"
     assert seen.read_text() == str(staging), "rank 0 must clear an earlier attempt's half-written checkpoints"
     assert not staging.exists(), "nothing of the run may stay in the node's temp dir"
     assert re.search(r"\[pretrain\] resumed from checkpoint", logs), logs[-3000:]

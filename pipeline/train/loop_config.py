@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 # Fields that do not change what is computed: a run launched again with other values continues.
-NOT_IDENTITY = ("verbose", "loader_workers", "cuda_graph")
+# ``shard_dir`` is where the shards are, not what they hold (their sha256s are part of the run's name):
+# the same shards pulled to another scratch folder, or streamed from a bucket, continue the run.
+NOT_IDENTITY = ("verbose", "loader_workers", "cuda_graph", "shard_dir")
 
 
 @dataclass(frozen=True)
