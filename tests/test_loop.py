@@ -481,7 +481,6 @@ def test_run_name_covers_every_param_the_run_logs(digits_dir, tmp_path):
     from pipeline.data import read_dataset_info
     from pipeline.training import plan_stage
 
-    info = read_dataset_info(digits_dir)
     root = Path(__file__).resolve().parents[1]
 
     def run_name(shards=digits_dir, **overrides):
