@@ -1,8 +1,9 @@
 """A plain PyTorch loop for a recipe's pretrain stage, to check the project's loop against: torchvision's
 ``ImageFolder`` + v2 transforms per sample, one DataLoader, AdamW with warm-up + cosine (``LambdaLR``),
 label smoothing and gradient clipping, written out here without the pipeline's data, loop or optimiser
-code (only the model class is shared). Train it and ``time_to_accuracy.py --stages pretrain`` on the
-same images with the same recipe, then compare the per-epoch train loss and the test top-1:
+code (shared: the model class, the auto-augment policies' names, the names that skip weight decay and
+the amp rule). Train it and ``time_to_accuracy.py --stages pretrain`` on the same images with the same
+recipe, then compare the per-epoch train loss and the test top-1:
 
     python benchmarks/plain_loop.py --imagefolder DIR --set model.preset=nano ...     # DIR/train, DIR/test
 
