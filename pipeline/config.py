@@ -22,7 +22,6 @@ from typing import Any, Optional, Union
 import yaml
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-INTERP_MODES = ("nearest", "bilinear", "bicubic", "area")
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
 # export.opset: 17 or newer; 25 is the newest at which onnxruntime 1.31.1 (constraints.txt) loads the exported ViT
 # (at 26 the export completes, then onnxruntime refuses it: INVALID_GRAPH on its Attention node). Re-check on a new pin.
@@ -33,7 +32,6 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes above that replay the step as CUDA graphs
 BACKENDS = ("ray", "local")
 TRAINING_STAGES = ("pretrain", "finetune")  # also the names of their data sections (data.<stage>)
-INIT_SOURCES = ("pipeline", "timm", "torchvision")  # finetune.init_source: whose key layout a weights file has
 HEADS = ("auto", "new")  # finetune.head: keep the pretrained head when the classes are its own, or always new
 ENCODINGS = ("source", "raw")  # data.<name>.encoding: the source's bytes, or decoded pixels (binary PPM)
 
@@ -408,6 +406,8 @@ def _check_model(p: Params) -> None:
     """The architecture, and every resolution the model will see divisible by its patch size."""
     from pipeline.model.build import section_config
     from pipeline.model.config import POOLS, PRESETS, WEIGHT_INITS, check_divisible, check_heads
+    from pipeline.model.convert import LAYOUTS
+    from pipeline.model.resample import MODES
 
     _choice("model.preset", p.model.preset, tuple(PRESETS))
     _choice("model.pool", p.model.pool, POOLS)
@@ -433,8 +433,8 @@ def _check_model(p: Params) -> None:
         section_config(p.model, image_size=p.pretrain.image_size, num_classes=0)
     except ValueError as exc:
         raise ConfigError(f"model.{exc}") from None
-    _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, INTERP_MODES)
-    _choice("finetune.init_source", p.finetune.init_source, INIT_SOURCES)
+    _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, MODES)
+    _choice("finetune.init_source", p.finetune.init_source, LAYOUTS)
     _choice("finetune.head", p.finetune.head, HEADS)
 
 

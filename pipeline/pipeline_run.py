@@ -76,7 +76,7 @@ def pipeline_params(params: Params) -> dict[str, str]:
     """Every params.yaml value, flattened, plus what is derived from them (world size, patch sizes); not the
     ``mlflow`` section (where the runs go, not what they are), and of ``data.<name>`` what its source reads."""
     flat = {k: v for k, v in flatten(params).items() if not k.startswith(("mlflow.", "data."))}
-    for name in ("pretrain", "finetune"):
+    for name in TRAINING_STAGES:
         flat.update(data_params(params, name))
     flat.update({"world_size": params.ray.world_size, "finetune.effective_patch_size": params.finetune_patch_size,
                  "finetune.init": finetune_init(params)})

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import INIT_SOURCES, Params, TrainConfig
+from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
 from pipeline.model import ViTConfig, VisionTransformer, build_model, convert_state_dict, load_model, save_model
 from pipeline.model.build import section_config
+from pipeline.model.convert import LAYOUTS
 from pipeline.model.io import ModelFileError, read_model_file
 from pipeline.outputs import staged_outputs
 from pipeline.plots import plot_history
@@ -196,7 +197,7 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
 
 
 def _layout_hint(params: Params) -> str:
-    return f"is finetune.init_source={params.finetune.init_source!r} right? valid: {', '.join(INIT_SOURCES)}"
+    return f"is finetune.init_source={params.finetune.init_source!r} right? valid: {', '.join(LAYOUTS)}"
 
 
 def _read_weights(params: Params, path: Path, redo: str) -> dict[str, torch.Tensor]:
