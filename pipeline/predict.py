@@ -64,6 +64,11 @@ def read_config(path: Path) -> dict:
     if missing:
         raise ModelFileError(f"{path}: has no {', '.join(map(repr, missing))} entry; not an export's "
                              f"config.json; {REEXPORT}")
+    classes, size = meta["classes"], meta["image_size"]
+    if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
+        raise ModelFileError(f"{path}: classes is {classes!r}, not a list of class names; {REEXPORT}")
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ModelFileError(f"{path}: image_size is {size!r}, not a positive whole number of pixels; {REEXPORT}")
     return meta
 
 

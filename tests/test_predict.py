@@ -144,6 +144,24 @@ def test_image_too_large_is_a_failed_input(export_dir, images, tmp_path, capsys,
     assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
 
 
+@pytest.mark.parametrize("key, value, needle", [
+    ("image_size", 0, "image_size is 0, not a positive whole number"),
+    ("image_size", "8", "image_size is '8', not a positive whole number"),
+    ("classes", "abc", "classes is 'abc', not a list of class names"),  # as long as the model's 3 classes
+    ("classes", [0, 1, 2], "classes is [0, 1, 2], not a list of class names"),
+], ids=["size-0", "size-str", "classes-str", "classes-ints"])
+def test_config_values_no_export_writes_name_the_file(export_dir, images, tmp_path, capsys, key, value, needle):
+    """A hand-edited config.json: one line naming it and the value (exit 2), not a resize traceback or a
+    class named by one letter of a string."""
+    meta = json.loads((export_dir / "config.json").read_text())
+    model = _damaged_copy(export_dir, tmp_path / "exports", "config.json", json.dumps({**meta, key: value}).encode())
+    assert predict.main([str(images), "--model", str(model), "--format", "safetensors"]) == 2
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err)
+    assert line.startswith(f"error: {model / 'config.json'}: {needle}") and "re-run the export stage" in line, line
+    assert captured.out == ""
+
+
 @pytest.mark.parametrize("fmt", ["torchscript", "safetensors"])
 def test_classes_that_do_not_fit_the_model(export_dir, images, tmp_path, capsys, fmt):
     """config.json naming 2 classes for a 3-class model: the export cannot be used (exit 2), no IndexError."""
