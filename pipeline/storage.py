@@ -44,7 +44,9 @@ def is_url(path) -> bool:
 
 def check_location(path, what: str) -> None:
     """``s3:/bucket/x`` (one slash) is a local folder named ``s3:``: a push there uploaded nothing and
-    exited 0. Refused, with the URL meant."""
+    exited 0. Refused, with the URL meant; so is an empty one (``ls ''`` listed the current directory)."""
+    if not str(path):
+        raise ValueError(f"{what}{' ' if what else ''}'': names nothing: give a folder or s3://BUCKET/PREFIX")
     scheme, sep, rest = str(path).partition(":/")
     if sep and not rest.startswith("/") and len(scheme) > 1 and scheme.replace("+", "").replace("-", "").isalnum():
         meant = f"{scheme}:///{rest}" if scheme == "file" else f"{scheme}://{rest}"  # file URLs: an absolute path
@@ -116,6 +118,9 @@ def access_problem(exc: BaseException) -> str | None:
                 f"or run where an instance role applies")
     if isinstance(exc, (errors.EndpointConnectionError, errors.ConnectTimeoutError)):
         return f"object storage: {exc}: check AWS_ENDPOINT_URL ({_endpoint_named()}) and that the server is up"
+    if type(exc) is ValueError and str(exc).startswith("Invalid endpoint"):  # botocore's, for a malformed URL
+        var = "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+        return f"object storage: {var}={_endpoint()} is not a URL (valid: http(s)://HOST[:PORT])"
     return None
 
 
@@ -342,6 +347,9 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m pipeline.stora
     ls = sub.add_parser("ls", help="list objects under a URL prefix")
     ls.add_argument("url")
     args = ap.parse_args(argv)
+    if args.cmd != "ls" and len(args.pairs) % 2:  # a usage error, as argparse's own (exit 2)
+        ap.error(f"{args.cmd} takes {'LOCAL URL' if args.cmd == 'push' else 'URL LOCAL'} pairs, got {len(args.pairs)} "
+                 f"argument(s): {' '.join(args.pairs)}")
     try:
         if args.cmd == "push":
             for local, url in _pairs(args.pairs, "LOCAL URL"):

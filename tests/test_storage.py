@@ -171,6 +171,32 @@ def test_cli_file_in_the_way_is_one_line(src_and_cwd, tmp_path, capsys, argv, ne
     assert out == "" and err == f"error: {needle.format(**fmt)}\n", err
     assert f.read_text() == "x" and not (tmp_path / "y").exists()
 
+
+@pytest.mark.parametrize("argv", [["ls", ""], ["push", "", "{tmp}/x"], ["pull", "{tmp}", ""]], ids=["ls", "push", "pull"])
+def test_cli_empty_location_names_nothing(src_and_cwd, tmp_path, capsys, argv):
+    """An empty path or URL is refused (``ls ''`` listed the current directory and exited 0)."""
+    assert storage.main([a.format(tmp=tmp_path) for a in argv]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == "error: ValueError: '': names nothing: give a folder or s3://BUCKET/PREFIX\n", err
+
+
+def test_cli_odd_pairs_and_malformed_endpoint_are_one_line(tmp_path, monkeypatch, capsys):
+    """A push / pull without its pairs is a usage error (exit 2, as argparse's own); an AWS_ENDPOINT_URL that
+    is not a URL is named (botocore said only "Invalid endpoint: garbage")."""
+    with pytest.raises(SystemExit) as stop:
+        storage.main(["push", str(tmp_path)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: push takes LOCAL URL pairs, got 1 argument(s): "
+                                                           f"{tmp_path}")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "garbage")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    assert storage.main(["ls", "s3://bucket/prefix"]) == 1
+    assert capsys.readouterr().err == ("error: object storage: AWS_ENDPOINT_URL=garbage is not a URL "
+                                       "(valid: http(s)://HOST[:PORT])\n")
+
+
 def test_shards_url_with_unusable_scheme_names_the_variable(monkeypatch):
     monkeypatch.setenv(storage.SHARDS_URL_ENV, "gs://bucket/ws")
     with pytest.raises(ValueError, match=r"^\$VIT_SHARDS_URL: gs://bucket/ws: cannot open this URL"):
