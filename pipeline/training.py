@@ -255,7 +255,10 @@ def _load_pt(path: Path, redo: str) -> object:
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as exc:
+        if "Unsupported global" not in str(exc):  # not a pickle of other objects: bytes torch.save never wrote
+            raise ModelFileError(f"{path}: cannot be loaded, the file is corrupt, incomplete or not written by "
+                                 f"torch.save; {redo}") from None
         raise ModelFileError(f"{path} holds more than weights (a training checkpoint, such as a run's state.pt?), "
                              f"which is not loaded: {redo}, e.g. the stage's model directory") from None
 

@@ -668,6 +668,10 @@ def test_finetune_init_files_that_hold_no_weights_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'state.pt'} holds more than weights \(a training "
                                          "checkpoint"):
         start("state.pt")
+    (tmp_path / "noise.pt").write_bytes(bytes(range(7, 207)))  # no pickle at all: damaged, not a checkpoint
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'noise.pt'}: cannot be loaded, the file is corrupt, "
+                                         "incomplete or not written by torch.save; finetune.init must name"):
+        start("noise.pt")
     torch.save({"state_dict": nano().state_dict(), "epoch": 3}, tmp_path / "wrapped.pt")
     assert start("wrapped.pt").config.depth == 4
 
