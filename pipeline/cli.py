@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from pipeline import outputs, storage
-from pipeline.config import TRAINING_STAGES, ConfigError, Params, load_params, params_file
+from pipeline.config import TRAINING_STAGES, ConfigError, Params, load_stage_params
 from pipeline.signals import raise_on_signals, received
 from pipeline.utils import freeze_heap_at_exit
 
@@ -53,7 +53,6 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
     (default: the function's name), exit non-zero with one line on error."""
     raise_on_signals()
     _check_arguments(fn, args, name or fn.__name__)
-    path = params_file()
     # keep the console to progress lines: MLflow sets its logger's level when it is imported (later,
     # in the stage and its Ray workers) from MLFLOW_LOGGING_LEVEL, INFO unless set
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
@@ -61,7 +60,7 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
     freeze_heap_at_exit()
     published_before = len(outputs.published)
     try:
-        params: Params = load_params(path)
+        params: Params = load_stage_params()
         with stage_lock(name or fn.__name__):
             fn(params, *args)
     except KeyboardInterrupt as exc:

@@ -623,10 +623,18 @@ def params_file() -> str:
     return os.environ.get(PARAMS_ENV, "params.yaml")
 
 
+def load_stage_params() -> Params:
+    """:func:`load_params` of :func:`params_file`; a problem with ``$VIT_PARAMS``'s file names the variable."""
+    try:
+        return load_params(params_file())
+    except ConfigError as exc:
+        raise ConfigError(f"${PARAMS_ENV}: {exc}" if PARAMS_ENV in os.environ else str(exc)) from None
+
+
 def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None = None) -> Params:
     """Read, type-check and validate ``params.yaml``; raise :class:`ConfigError` on any problem."""
     path = Path(path)
-    raw = _read_yaml(path, missing="file not found (run from the repository root)")
+    raw = _read_yaml(path, missing="file not found" + ("" if path.is_absolute() else " (run from the repository root)"))
     if raw is None:  # an empty file would otherwise run every stage on defaults without a word
         sections = ", ".join(f.name for f in dataclasses.fields(Params))
         raise ConfigError(f"{path}: is empty (or only comments); expected the sections {sections} "

@@ -48,12 +48,22 @@ def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object
 def load_recipe_params(params_path, recipe: str | None, sets: list[str] = (),
                        forced: dict[str, object] | None = None) -> Params:
     """``params_path`` with the recipe, then the ``--set``s, then ``forced`` (a caller's own settings) on
-    top, checked. A bad value names the recipe first: that is where it most likely is."""
-    overrides = {**recipe_overrides(recipe, sets), **(forced or {})}
-    try:
-        return load_params(params_path, overrides=overrides)
-    except ConfigError as exc:
-        raise ConfigError(f"{recipe}: {exc}" if recipe else str(exc)) from None
+    top, checked layer by layer, so that a bad value names where it came from: the params file, the
+    recipe, or the ``--set``s."""
+    params = load_params(params_path)  # its own problems name it
+    layers = [(str(recipe), recipe_overrides(recipe)), ("--set " + " ".join(sets), recipe_overrides(None, sets)),
+              ("", forced or {})]
+    applied: dict[str, object] = {}
+    for source, layer in layers:
+        if not layer:
+            continue
+        applied.update(layer)
+        try:
+            params = load_params(params_path, overrides=applied)
+        except ConfigError as exc:
+            problem = str(exc).removeprefix(f"{params_path}: ")
+            raise ConfigError(f"{source}: {problem}" if source else str(exc)) from None
+    return params
 
 
 def override_value(value: object) -> str:

@@ -262,7 +262,7 @@ def test_stage_with_unreadable_params_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "stages.shard", "pretrain"], cwd=tmp_path, capture_output=True,
                           text=True, env={"VIT_PARAMS": str(tmp_path), "PYTHONPATH": str(ROOT),
                                           "PATH": "/usr/bin:/bin"}, timeout=120)
-    assert (proc.returncode, proc.stderr) == (2, f"error: {tmp_path}: cannot read it (Is a directory)\n")
+    assert (proc.returncode, proc.stderr) == (2, f"error: $VIT_PARAMS: {tmp_path}: cannot read it (Is a directory)\n")
 
 
 def test_stage_exits_nonzero_with_message_before_any_work(tmp_path):
@@ -303,7 +303,7 @@ def test_stage_with_empty_params_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "stages.shard", "pretrain"], cwd=tmp_path, capture_output=True,
                           text=True, env={"VIT_PARAMS": str(tmp_path / "params.yaml"), "PYTHONPATH": str(ROOT),
                                           "PATH": "/usr/bin:/bin", "MLFLOW_LOGGING_LEVEL": "debug"}, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {tmp_path / 'params.yaml'}: is empty")
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: $VIT_PARAMS: {tmp_path / 'params.yaml'}: is empty")
     assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()
 
 
@@ -374,10 +374,13 @@ def test_recipe_overrides_are_what_dvc_exp_run_applies(tmp_path):
     (None, ["model.depth"], "--set model.depth: expected KEY=VALUE"),
     (None, ["model.depth=[6"], "--set model.depth=[6: the value is not valid YAML (expected ',' or ']'"),
     ("dup.yaml", [], "dup.yaml: model.depth is set twice (lines 2 and 3)"),
-    (None, ["model.depth.x=5"], "cifar10.yaml: model.depth.x: model.depth is a value, not a section"),
-    (None, ["evaluate.resolutions.0=32"], "evaluate.resolutions.0: evaluate.resolutions is a value, not a section"),
+    (None, ["model.depth.x=5"], "error: --set model.depth.x=5: model.depth.x: model.depth is a value, not a section"),
+    (None, ["evaluate.resolutions.0=32"], "--set evaluate.resolutions.0=32: evaluate.resolutions.0: evaluate.resolutions "
+                                          "is a value, not a section"),
+    (None, ["pretrain.epochs=abc"], "error: --set pretrain.epochs=abc: pretrain.epochs: expected int, got 'abc'"),
+    ("unknown.yaml", [], "error: unknown.yaml: pretrain.lrr: unknown key (valid keys in pretrain: image_size,"),
 ], ids=["missing", "directory", "not-a-mapping", "bad-yaml", "set-without-value", "set-bad-yaml", "duplicate-key",
-        "set-below-a-value", "set-into-a-list"])
+        "set-below-a-value", "set-into-a-list", "set-bad-value", "recipe-unknown-key"])
 def test_recipe_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, recipe, sets, needle):
     """`vit-pipeline recipe` with a recipe it cannot read or a malformed --set: one line naming it, exit 2
     (before: a traceback, or a --set without '=' quietly became an override of a whole section)."""
@@ -386,11 +389,13 @@ def test_recipe_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, 
     (tmp_path / "list.yaml").write_text("model: [1, 2]\n")
     (tmp_path / "bad.yaml").write_text("model:\n  depth: [\n")
     (tmp_path / "dup.yaml").write_text("model:\n  depth: 6\n  depth: 8\n")
+    (tmp_path / "unknown.yaml").write_text("pretrain:\n  lrr: 0.1\n")
     monkeypatch.chdir(tmp_path)
     argv = [recipe or str(ROOT / "configs/cifar10.yaml"), "--params", str(ROOT / "params.yaml")]
     assert main(argv + [a for s in sets for a in ("--set", s)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+    assert str(ROOT / "params.yaml") not in err, "the recipe or the --set is where the value came from"
 
 
 def test_params_with_bad_yaml_is_one_line(tmp_path):
@@ -407,3 +412,19 @@ def test_one_gpu_recipe_is_valid_and_runs_in_process():
     p = load_params(ROOT / "params.yaml", overrides=recipe_overrides(str(ROOT / "configs/cifar10-1gpu.yaml")))
     assert p.ray.backend == "local" and p.ray.use_gpu and p.ray.loader_workers == 15
     assert p.pretrain.keep == "best" and p.pretrain.ema_decay and p.pretrain.ema_warmup and p.pretrain.compile
+
+
+def test_params_file_named_by_vit_params_names_the_variable(tmp_path, monkeypatch):
+    """A file ``$VIT_PARAMS`` names that is missing or wrong: the line says the variable chose it, and an
+    absolute path gets no "run from the repository root" hint (which cannot help it)."""
+    from pipeline.config import PARAMS_ENV, load_stage_params
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^params.yaml: file not found \(run from the repository root\)$"):
+        load_stage_params()
+    monkeypatch.setenv(PARAMS_ENV, str(tmp_path / "cluster.yaml"))
+    with pytest.raises(ConfigError, match=rf"^\$VIT_PARAMS: {tmp_path / 'cluster.yaml'}: file not found$"):
+        load_stage_params()
+    (tmp_path / "cluster.yaml").write_text("model:\n  depth: x\n")
+    with pytest.raises(ConfigError, match=rf"^\$VIT_PARAMS: {tmp_path / 'cluster.yaml'}: model.depth: expected"):
+        load_stage_params()
