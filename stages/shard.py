@@ -16,7 +16,13 @@ def main(params: Params, name: str = "") -> None:
     if name not in TRAINING_STAGES:
         raise ConfigError(f"usage: python -m stages.shard {{{'|'.join(TRAINING_STAGES)}}} (got {name!r})")
     spec = getattr(params.data, name)
-    info = shard_dataset(SHARDS / name, spec)
+    try:
+        info = shard_dataset(SHARDS / name, spec)
+    except ValueError as exc:  # the data's own problem (too few images, too many bad ones): say which data
+        if isinstance(exc, ConfigError):  # names its data.<name> key already
+            raise
+        where = f"{spec.source} {spec.root}" if spec.root is not None else spec.source
+        raise ValueError(f"data.{name} ({where}): {exc}") from None
     print(f"[shard:{name}] {spec.source}: {info['counts']} -> {SHARDS / name}/", flush=True)
     for note in shard_warnings(info, SHARDS / name):
         print(f"[shard:{name}] warning: {note}", file=sys.stderr, flush=True)

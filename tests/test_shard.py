@@ -348,6 +348,28 @@ def test_stage_warns_about_skips_empty_test_and_unlearnable_class(tmp_path):
         require_split(shards, read_dataset_info(shards), "test")
 
 
+@pytest.mark.parametrize("per_class, extra, line", [
+    (1, "", "error: ValueError: data.pretrain (imagefolder {root}): val_fraction takes 1 of the 1 image(s) left to "
+            "it, leaving none to train on: add images, or lower val_fraction\n"),
+    (4, "    max_bad_fraction: 0.1\n",
+     "error: ValueError: data.pretrain (imagefolder {root}): more than max_bad_fraction=0.1 of the 10 images (1) "
+     "are undecodable, seen before stopping: 2; the first: "),
+], ids=["too-few-images", "too-many-bad-images"])
+def test_stage_names_the_data_whose_images_do_not_do(tmp_path, per_class, extra, line):
+    """Too few images for the split fractions, too many undecodable ones: the line names the data section
+    and its root, the key to change and what it counts (before: "fraction 0.125 of 1 samples leaves
+    nothing for the remaining split"; "1 undecodable image(s) out of 20" when every one was)."""
+    root = make_imagefolder(tmp_path / "src", classes=("cat", "dog"), per_class=per_class)
+    if extra:
+        _with_bad_images(root)
+    (tmp_path / "params.yaml").write_text(f"data:\n  pretrain:\n    source: imagefolder\n    root: {root}\n{extra}")
+    proc = subprocess.run([sys.executable, "-m", "stages.shard", "pretrain"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={"VIT_PARAMS": "params.yaml", "PYTHONPATH": str(REPO),
+                                                       "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1 and proc.stderr.startswith(line.format(root=root)), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "data/shards/pretrain").exists()
+
+
 def test_full_disk_is_one_line_and_keeps_the_previous_output(tmp_path, monkeypatch, capsys):
     """ENOSPC mid-way (injected: CI cannot fill a disk): one error line, exit 1, the temp dir removed."""
     from pipeline.cli import run_stage
@@ -516,6 +538,11 @@ def test_damaged_cifar_batch_is_named(tmp_path):
     batch.write_bytes(pickle.dumps({b"other": 1}))
     with pytest.raises(ValueError, match=rf"^{re.escape(str(batch))}: not a CIFAR python batch \(no labels\)"):
         shard_dataset(tmp_path / "o", DataConfig(source="cifar", root=root))
+    for data in ([1, 2, 3], np.zeros((19, 3072), np.uint8)):  # not rows of pixels; a row short of its 20 labels
+        batch.write_bytes(pickle.dumps({b"labels": [0] * 20, b"data": data}))
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(batch))}: its data is \({len(data)},[^)]*\), not one "
+                                             r"row of 3 x 32 x 32 pixels for each of its 20 labels; extract"):
+            shard_dataset(tmp_path / "o", DataConfig(source="cifar", root=root))
     assert not (tmp_path / "o").exists()
 
 

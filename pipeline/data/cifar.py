@@ -38,6 +38,15 @@ def _unpickle(path: Path, *keys: bytes) -> dict:
     return batch
 
 
+def _images(data, path: Path, count: int) -> np.ndarray:
+    """A batch's ``data``, one row of 3 x 32 x 32 pixels (channel-major) per label, as HWC images."""
+    rows = np.asarray(data, dtype=np.uint8)
+    if rows.shape != (count, 3 * 32 * 32):
+        raise ValueError(f"{path}: its data is {rows.shape}, not one row of 3 x 32 x 32 pixels for each of its "
+                         f"{count} labels; extract the CIFAR archive again")
+    return rows.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+
+
 def find_layout(root: Path) -> tuple[Path, dict]:
     """``root`` may be the batches dir itself or its parent."""
     if not root.exists():
@@ -65,7 +74,7 @@ def cifar_listing(*, root, seed, val_fraction, test_fraction, class_names, **_) 
         labels.append(y)
         given[split].append(np.arange(offset, offset + y.size))
         offset += y.size
-    labels = np.concatenate(labels)
+    labels_per_file, labels = labels, np.concatenate(labels)
     check_labels(labels, classes, f"cifar {d}")
     splits = carve_splits(labels, seed, val_fraction, test_fraction,
                           given={s: np.concatenate(v) for s, v in given.items()})
@@ -73,9 +82,9 @@ def cifar_listing(*, root, seed, val_fraction, test_fraction, class_names, **_) 
 
     def records():
         i = 0
-        for _, f in files:
+        for (_, f), y in zip(files, labels_per_file):
             batch = _unpickle(f, b"data")
-            data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+            data = _images(batch[b"data"], f, y.size)
             fnames = batch.get(b"filenames") or [b""] * len(data)
             for j in range(len(data)):
                 img = np.ascontiguousarray(data[j])

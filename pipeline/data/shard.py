@@ -211,8 +211,9 @@ def _write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side
                     bad.append({"path": rec.source_path, "split": rec.split, "error": err})
                     if len(bad) > allowed_bad:
                         raise ValueError(
-                            f"{len(bad)} undecodable image(s) out of {listing.total} exceeds "
-                            f"max_bad_fraction={max_bad_fraction}; first: {bad[0]['path']} ({bad[0]['error']})")
+                            f"more than max_bad_fraction={max_bad_fraction} of the {listing.total} images "
+                            f"({allowed_bad}) are undecodable, seen before stopping: {len(bad)}; the first: "
+                            f"{bad[0]['path']} ({bad[0]['error']}); remove or fix them, or raise max_bad_fraction")
                     continue
                 ext, data, img_hist = out
                 if img_hist is not None:

@@ -39,13 +39,16 @@ def _can_stratify(labels: np.ndarray, n_take: int) -> bool:
     return counts.size > 0 and counts.min() >= 2 and counts.size <= n_take <= labels.size - counts.size
 
 
-def take_fraction(idx: np.ndarray, labels: np.ndarray, frac: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split ``idx`` into (rest, taken) with ``frac`` taken, stratified when every class allows it."""
+def take_fraction(idx: np.ndarray, labels: np.ndarray, frac: float, seed: int,
+                  key: str = "fraction") -> tuple[np.ndarray, np.ndarray]:
+    """Split ``idx`` into (rest, taken) with ``frac`` taken, stratified when every class allows it; ``key``
+    (the params key behind ``frac``) is named when it would take every image."""
     if frac <= 0 or idx.size == 0:
         return idx, idx[:0]
     n_take = math.ceil(frac * idx.size - 1e-9)  # 0.15 * 100 is 15.000000000000002 in floating point: 15, not 16
     if n_take >= idx.size:
-        raise ValueError(f"fraction {frac} of {idx.size} samples leaves nothing for the remaining split")
+        raise ValueError(f"{key} takes {n_take} of the {idx.size} image(s) left to it, leaving none to train "
+                         f"on: add images, or lower {key}")
     from sklearn.model_selection import train_test_split  # 2-3 s to import: only sharding pays it, not every stage
 
     y = labels[idx]
@@ -63,14 +66,15 @@ def carve_splits(labels: np.ndarray, seed: int, val_fraction: float, test_fracti
     """
     labels = np.asarray(labels, dtype=np.int64)
     if given is None:
-        rest, test = take_fraction(np.arange(labels.size), labels, test_fraction, seed)
+        rest, test = take_fraction(np.arange(labels.size), labels, test_fraction, seed, "test_fraction")
         val_frac = val_fraction / (1.0 - test_fraction) if test_fraction < 1 else 0.0
-        train, val = take_fraction(rest, labels, val_frac, seed + 1)
+        train, val = take_fraction(rest, labels, val_frac, seed + 1, "val_fraction")
         out = {"train": train, "val": val, "test": test}
     else:
         out = {s: np.asarray(given.get(s, np.zeros(0, np.int64)), dtype=np.int64) for s in SPLITS}
         if "val" not in given:
-            out["train"], out["val"] = take_fraction(out["train"], labels, val_fraction, seed + 1)
+            out["train"], out["val"] = take_fraction(out["train"], labels, val_fraction, seed + 1,
+                                                     "val_fraction")
     for k, split in enumerate(SPLITS):
         ordered = np.sort(out[split])
         out[split] = ordered[np.random.default_rng([seed, k]).permutation(ordered.size)]
