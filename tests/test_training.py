@@ -274,6 +274,20 @@ def test_rank_zero_logger_writes_everything_before_close_returns_and_names_a_fai
         missing.close()
 
 
+def test_step_hooks_that_do_not_import_stop_the_stage_before_any_rank(monkeypatch):
+    """A $VIT_STEP_HOOKS name that does not import is one line before Ray starts (it failed on every rank of
+    every attempt); one that does is passed on."""
+    from pipeline.config import ConfigError
+    from pipeline.train.driver import step_hooks_from_env
+
+    monkeypatch.setenv("VIT_STEP_HOOKS", "tests.faults:fail_once, nosuchmod:fn=3")
+    with pytest.raises(ConfigError, match=r"^\$VIT_STEP_HOOKS: step hook 'nosuchmod:fn=3': cannot import "
+                                          r"'nosuchmod:fn' \(want module:function\[=argument\]\): No module named"):
+        step_hooks_from_env()
+    monkeypatch.setenv("VIT_STEP_HOOKS", "tests.faults:fail_once=raise@3")
+    assert step_hooks_from_env() == ("tests.faults:fail_once=raise@3",)
+
+
 def test_accumulation_arithmetic():
     assert accumulation(32, None) == (32, 1)
     assert accumulation(32, 32) == (32, 1)

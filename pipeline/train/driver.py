@@ -157,8 +157,16 @@ def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTr
 def step_hooks_from_env() -> tuple[str, ...]:
     """``$VIT_STEP_HOOKS``: comma-separated ``module:function[=argument]`` names that every rank calls
     before each optimizer step (see :func:`pipeline.train.worker.load_step_hooks`). A seam for
-    debugging and for the fault-tolerance tests (``tests/faults.py``); unset in normal runs."""
-    return tuple(s.strip() for s in os.environ.get("VIT_STEP_HOOKS", "").split(",") if s.strip())
+    debugging and for the fault-tolerance tests (``tests/faults.py``); unset in normal runs. Each is
+    imported here first, so a name that does not import stops the stage before any rank starts."""
+    from pipeline.train.worker import load_step_hooks
+
+    names = tuple(s.strip() for s in os.environ.get("VIT_STEP_HOOKS", "").split(",") if s.strip())
+    try:
+        load_step_hooks(names)
+    except ValueError as exc:
+        raise ConfigError(f"$VIT_STEP_HOOKS: {exc}") from None
+    return names
 
 
 def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str | None = None,
