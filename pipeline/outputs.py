@@ -31,8 +31,9 @@ class StagedOutputs:
     def __init__(self, targets: list[Path]):
         self.targets = {Path(t): Path(t).parent / f"{PARTIAL}{Path(t).name}" for t in targets}
         self.published = False
+        self.created: list[Path] = []  # folders made for the outputs: a stage that fails takes them back
         for target, tmp in self.targets.items():
-            _check_writable(target.parent)
+            self.created += _check_writable(target.parent)
             _restore_aside(target)  # left by a run killed while publishing
             _remove(tmp)  # left by a killed run
 
@@ -73,6 +74,12 @@ class StagedOutputs:
     def discard(self) -> None:
         for tmp in self.targets.values():
             _remove(tmp)
+        if not self.published:
+            for folder in self.created:  # deepest first; one that holds anything else stays
+                try:
+                    folder.rmdir()
+                except OSError:
+                    pass
 
 
 @contextmanager
@@ -122,13 +129,16 @@ def _restore_aside(target: Path) -> None:
             os.rename(old, target)
 
 
-def _check_writable(directory: Path) -> None:
-    """Create ``directory`` and a file in it now, so an unwritable output fails before the work."""
+def _check_writable(directory: Path) -> list[Path]:
+    """Create ``directory`` and a file in it now, so an unwritable output fails before the work; the
+    folders it created, deepest first."""
+    missing = [d for d in (directory, *directory.parents) if not os.path.lexists(d)]
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f"{PARTIAL}probe-{os.getpid()}"
         probe.touch()
         probe.unlink()
+        return missing
     except OSError as exc:
         fix = ("a file is in the way on this path: move it aside" if exc.errno in (errno.EEXIST, errno.ENOTDIR)
                else "fix its permissions or free space")

@@ -60,6 +60,22 @@ def _on_rename_of(name: str, action, monkeypatch) -> None:
 OLD = {"exports/old.onnx": "old", "metrics/export.json": "old"}
 
 
+def test_a_failed_stage_takes_back_the_folders_made_for_its_outputs(tmp_path, monkeypatch):
+    """A first run that fails leaves no empty data/shards/ or models/ behind; a folder that holds anything
+    else stays, and a stage that succeeds keeps them."""
+    monkeypatch.chdir(tmp_path)
+    Path("plots").mkdir()
+    with pytest.raises(RuntimeError, match="boom"):
+        with staged_outputs("data/shards/pretrain", "models/pretrain", "plots/curves.png") as out:
+            out["data/shards/pretrain"].mkdir()
+            Path("models/notes.txt").write_text("someone else's")
+            raise RuntimeError("boom")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["models", "models/notes.txt", "plots"]
+    with staged_outputs("data/shards/pretrain") as out:
+        out["data/shards/pretrain"].mkdir()
+    assert Path("data/shards/pretrain").is_dir()
+
+
 def test_a_failed_rename_while_publishing_puts_the_previous_outputs_back(old_outputs, monkeypatch):
     """Before: the old exports/ stayed renamed aside, the new one was discarded: no exports/ at all."""
     def fail():
