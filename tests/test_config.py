@@ -375,8 +375,8 @@ def test_recipe_overrides_are_what_dvc_exp_run_applies(tmp_path):
     (None, ["model.depth=[6"], "--set model.depth=[6: the value is not valid YAML (expected ',' or ']'"),
     ("dup.yaml", [], "dup.yaml: model.depth is set twice (lines 2 and 3)"),
     (None, ["model.depth.x=5"], "error: --set model.depth.x=5: model.depth.x: model.depth is a value, not a section"),
-    (None, ["evaluate.resolutions.0=32"], "--set evaluate.resolutions.0=32: evaluate.resolutions.0: evaluate.resolutions "
-                                          "is a value, not a section"),
+    (None, ["evaluate.resolutions.0=32"],
+     "--set evaluate.resolutions.0=32: evaluate.resolutions.0: evaluate.resolutions is a value, not a section"),
     (None, ["pretrain.epochs=abc"], "error: --set pretrain.epochs=abc: pretrain.epochs: expected int, got 'abc'"),
     ("unknown.yaml", [], "error: unknown.yaml: pretrain.lrr: unknown key (valid keys in pretrain: image_size,"),
 ], ids=["missing", "directory", "not-a-mapping", "bad-yaml", "set-without-value", "set-bad-yaml", "duplicate-key",

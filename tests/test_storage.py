@@ -172,7 +172,8 @@ def test_cli_file_in_the_way_is_one_line(src_and_cwd, tmp_path, capsys, argv, ne
     assert f.read_text() == "x" and not (tmp_path / "y").exists()
 
 
-@pytest.mark.parametrize("argv", [["ls", ""], ["push", "", "{tmp}/x"], ["pull", "{tmp}", ""]], ids=["ls", "push", "pull"])
+@pytest.mark.parametrize("argv", [["ls", ""], ["push", "", "{tmp}/x"], ["pull", "{tmp}", ""]],
+                         ids=["ls", "push", "pull"])
 def test_cli_empty_location_names_nothing(src_and_cwd, tmp_path, capsys, argv):
     """An empty path or URL is refused (``ls ''`` listed the current directory and exited 0)."""
     assert storage.main([a.format(tmp=tmp_path) for a in argv]) == 1
