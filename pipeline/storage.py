@@ -301,9 +301,8 @@ def list_objects(url: str) -> list[str]:
     return [p[len(prefix):] for p in _under(fs, root, url)]
 
 
-def _pairs(items: list[str], what: str) -> list[tuple[str, str]]:
-    if not items or len(items) % 2:
-        raise ValueError(f"expected {what} pairs, got {items}")
+def _pairs(items: list[str]) -> list[tuple[str, str]]:
+    """``[a, b, c, d]`` -> ``[(a, b), (c, d)]``, each a usable location (main checked the count)."""
     for item in items:
         check_location(item, "")
     return list(zip(items[::2], items[1::2]))
@@ -352,13 +351,13 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m pipeline.stora
                  f"argument(s): {' '.join(args.pairs)}")
     try:
         if args.cmd == "push":
-            for local, url in _pairs(args.pairs, "LOCAL URL"):
+            for local, url in _pairs(args.pairs):
                 if args.missing_ok and not Path(local).is_dir():
                     continue
                 n = len(upload_dir(local, url, delete=not args.keep))
                 print(f"[storage] {local} -> {url} ({n} files)", flush=True)
         elif args.cmd == "pull":
-            for url, local in _pairs(args.pairs, "URL LOCAL"):
+            for url, local in _pairs(args.pairs):
                 got = download_dir(url, local, missing_ok=args.missing_ok)
                 print(f"[storage] {url} -> {local}" if got else f"[storage] nothing under {url}", flush=True)
         else:
