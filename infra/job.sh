@@ -12,7 +12,7 @@
 #           the same path on every node (NFS, EFS, Filestore, a PVC with ReadWriteMany).
 #   s3://…  the workspace is mirrored through a local scratch dir ($VIT_SCRATCH, default derived
 #           from the URL so a re-run lands on the same path and resumes the same Ray run): the
-#           stages' inputs (shards, models) are pulled first, each stage's outputs pushed right
+#           stages' inputs (shards, models, the training curves evaluate draws) are pulled first, each stage's outputs pushed right
 #           after it. Put Ray
 #           checkpoints in the bucket too (`ray.storage_path: s3://…`) and set MLFLOW_TRACKING_URI.
 # VIT_PARAMS: params file, relative to the repo root (the uploaded working dir) or absolute.
@@ -54,7 +54,8 @@ inputs() {  # with VIT_SHARDS_URL the stages stream shards from there: no local 
     shard-*) ;;
     pretrain) echo "$shards" ;;
     finetune) echo "$shards models/pretrain" ;;
-    evaluate|export) echo "$shards models/finetune" ;;
+    evaluate) echo "$shards models/finetune plots" ;;  # plots: the training curves it draws together
+    export) echo "$shards models/finetune" ;;
   esac
 }
 outputs() {
@@ -75,11 +76,12 @@ case $ws in
     ws=${VIT_SCRATCH:-${TMPDIR:-/tmp}/vit-ws-$(printf '%s' "$remote" | sha256sum | cut -c1-12)}
     mkdir -p "$ws"
     cd "$ws"
-    # Inputs that no earlier stage of this job produces, pulled in one go.
+    # Inputs that no earlier stage of this job produces, pulled in one go. plots/ is pulled even after a
+    # training stage of the job: each writes only its own files there (evaluate also reads the other's).
     pulls=() made=" "
     for s in "${stages[@]}"; do
       for d in $(inputs "$s"); do
-        [[ $made == *" $d "* || " ${pulls[*]:-} " == *" $remote/$d "* ]] || pulls+=("$remote/$d" "$d")
+        [[ ($d != plots && $made == *" $d "*) || " ${pulls[*]:-} " == *" $remote/$d "* ]] || pulls+=("$remote/$d" "$d")
       done
       for d in $(outputs "$s"); do made+="$d "; done
     done
