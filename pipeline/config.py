@@ -519,7 +519,7 @@ def _check_export_and_ray(p: Params) -> None:
     if p.export.opset not in ONNX_OPSETS:
         raise ConfigError(f"export.opset: {p.export.opset} is not valid (valid: {ONNX_OPSETS[0]} to {ONNX_OPSETS[-1]}, "
                           f"the opsets the pinned onnxruntime loads)")
-    _name("export.registered_model_name", p.export.registered_model_name, forbidden="/:")
+    _name("export.registered_model_name", p.export.registered_model_name, forbidden="/:@")  # models:/NAME@ALIAS
     _name("mlflow.experiment", p.mlflow.experiment)
     _positive("ray.cpus_per_worker", p.ray.cpus_per_worker)
     _choice("ray.backend", p.ray.backend, BACKENDS)

@@ -121,6 +121,7 @@ def test_params_yaml_and_code_defaults_agree():
     ({"export.registered_model_name": ""}, ["export.registered_model_name", "''", "non-empty"]),
     ({"export.registered_model_name": "team/vit"}, ["export.registered_model_name", "'team/vit'", "'/' or ':'"]),
     ({"export.registered_model_name": "vit:1"}, ["export.registered_model_name", "'vit:1'", "'/' or ':'"]),
+    ({"export.registered_model_name": "vit@1"}, ["export.registered_model_name", "'vit@1'", "or '@'"]),
     ({"mlflow.experiment": " "}, ["mlflow.experiment", "' '", "non-empty"]),
     # sizes: positive, under their own key, before the divisibility check (0 divides by any patch)
     ({"pretrain.image_size": 0}, ["pretrain.image_size: 0 must be > 0"]),

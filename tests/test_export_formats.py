@@ -37,3 +37,16 @@ def test_export_without_safetensors_has_config(tmp_path, capsys, fmt):
     # a format the export left out: named, with what writes it
     assert predict.main([str(img), "--model", str(out), "--format", "safetensors"]) == 2
     assert "the export stage writes it when export.formats lists safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("diff, agreement, passes", [(5e-5, 1.0, True), (1e-4, 1.0, True), (2.6e-4, 1.0, False),
+                                                     (5e-5, 0.98, False), (float("nan"), 1.0, False)])
+def test_parity_limits_refuse_a_nan_difference(diff, agreement, passes):
+    """export.max_abs_diff / min_top1_agreement: a format whose logits hold NaN fails the check (``nan >
+    limit`` is False: it passed whenever its top-1 still agreed)."""
+    from pipeline.config import load_params
+    from pipeline.export import within_limits
+    from tests.conftest import ROOT
+
+    cfg = load_params(ROOT / "params.yaml").export
+    assert within_limits({"max_abs_diff": diff, "top1_agreement": agreement}, cfg) is passes
