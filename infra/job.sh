@@ -4,6 +4,8 @@
 #
 #   bash infra/job.sh [STAGE ...]   STAGE: shard-pretrain shard-finetune pretrain finetune evaluate export
 #                                   (default: pretrain finetune evaluate export)
+#   bash infra/job.sh --check [STAGE ...]   only the checks below, nothing created (infra/submit.sh runs
+#                                   them before it uploads: a job that can only fail never starts)
 #
 # VIT_WORKSPACE (required):
 #   a path  the stages run with it as their current directory, so data/shards/, models/, metrics/,
@@ -20,11 +22,28 @@
 # Runs anywhere the repo and its venv are: on the submitter too (e.g. to shard into the workspace).
 set -euo pipefail
 
+die() { echo "job: $*" >&2; exit 2; }
+case ${1:-} in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
+check_only=false
+[[ ${1:-} == --check ]] && { check_only=true; shift; }
 code=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-ws=${VIT_WORKSPACE:?set VIT_WORKSPACE (a shared path or s3:// prefix)}
+ws=${VIT_WORKSPACE:-}
+[[ -n $ws ]] || die "set VIT_WORKSPACE (a shared path or s3:// prefix)"
+stages=("$@")
+[[ ${#stages[@]} -gt 0 ]] || stages=(pretrain finetune evaluate export)
+for s in "${stages[@]}"; do
+  case $s in shard-pretrain|shard-finetune|pretrain|finetune|evaluate|export) ;;
+    *) die "unknown stage '$s' (valid: shard-pretrain shard-finetune pretrain finetune evaluate export)" ;;
+  esac
+done
+[[ $ws != *://* || -n ${MLFLOW_TRACKING_URI:-} ]] ||
+  die "with an object-store workspace set MLFLOW_TRACKING_URI (a tracking server): a local mlflow.db would be lost"
+command -v python >/dev/null || die "python not found on PATH (source .venv/bin/activate)"
 params=${VIT_PARAMS:-params.yaml}
 [[ $params == /* ]] || params=$code/$params
 export PYTHONPATH=$code${PYTHONPATH:+:$PYTHONPATH}
+# The params, checked before anything is created (exit 2 naming the file and key).
+given="$params${VIT_PARAMS_OVERLAY:+ + overlay $VIT_PARAMS_OVERLAY}"
 if [[ -n ${VIT_PARAMS_OVERLAY:-} ]]; then  # e.g. infra/params.cluster.yaml: only the keys that differ
   overlay=$VIT_PARAMS_OVERLAY
   [[ $overlay == /* ]] || overlay=$code/$overlay
@@ -32,15 +51,13 @@ if [[ -n ${VIT_PARAMS_OVERLAY:-} ]]; then  # e.g. infra/params.cluster.yaml: onl
   trap 'rm -rf "${merged%/*}"' EXIT
   python "$code/infra/params_overlay.py" "$params" "$overlay" "$merged" || exit 2
   params=$merged
+else
+  python -c 'import sys; from pipeline.config import ConfigError, load_params
+try: load_params(sys.argv[1])
+except ConfigError as e: sys.exit(f"job: VIT_PARAMS: {e}")' "$params" || exit 2
 fi
 export VIT_PARAMS=$params
-stages=("$@")
-[[ ${#stages[@]} -gt 0 ]] || stages=(pretrain finetune evaluate export)
-for s in "${stages[@]}"; do
-  case $s in shard-pretrain|shard-finetune|pretrain|finetune|evaluate|export) ;;
-    *) echo "job: unknown stage '$s' (valid: shard-pretrain shard-finetune pretrain finetune evaluate export)" >&2; exit 2 ;;
-  esac
-done
+if $check_only; then echo "[job] checked: workspace $ws, params $given, stages: ${stages[*]}"; exit 0; fi
 
 # What each stage reads and writes, relative to the workspace (for an object-store workspace).
 inputs() {  # with VIT_SHARDS_URL the stages stream shards from there: no local copy needed
@@ -71,10 +88,8 @@ remote=""
 case $ws in
   *://*)
     remote=${ws%/}
-    [[ -n ${MLFLOW_TRACKING_URI:-} ]] || {
-      echo "job: with an object-store workspace set MLFLOW_TRACKING_URI (a tracking server): a local mlflow.db would be lost" >&2; exit 2; }
     ws=${VIT_SCRATCH:-${TMPDIR:-/tmp}/vit-ws-$(printf '%s' "$remote" | sha256sum | cut -c1-12)}
-    mkdir -p "$ws"
+    mkdir -p "$ws" 2>/dev/null || die "cannot create the scratch dir $ws (VIT_SCRATCH, or TMPDIR it is made in)"
     cd "$ws"
     # Inputs that no earlier stage of this job produces, pulled in one go. plots/ is pulled even after a
     # training stage of the job: each writes only its own files there (evaluate also reads the other's).
@@ -88,7 +103,7 @@ case $ws in
     [[ ${#pulls[@]} -eq 0 ]] || python -m pipeline.storage pull --missing-ok "${pulls[@]}"
     ;;
   *)
-    mkdir -p "$ws"
+    mkdir -p "$ws" 2>/dev/null || die "cannot create the workspace VIT_WORKSPACE=$ws (a folder this machine can write)"
     cd "$ws"
     ;;
 esac

@@ -23,21 +23,26 @@ def merge(base: dict, overlay: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print(__doc__, file=sys.stderr)
+        print("usage: python infra/params_overlay.py PARAMS OVERLAY OUT", file=sys.stderr)
         return 2
     base, overlay, out = (Path(a) for a in argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from pipeline.config import ConfigError, params_from_dict, read_partial_params
+    from pipeline.config import ConfigError, load_params, params_from_dict, read_partial_params
 
     try:  # checked before anything is written: a bad overlay leaves no OUT behind
+        load_params(base)  # a whole params file (an empty one would leave every key at its default)
         merged = merge(read_partial_params(base), read_partial_params(overlay))
         params_from_dict(merged, f"{overlay} over {base}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# {base.name} + {overlay.name} (written by infra/params_overlay.py)\n"
-                   + yaml.safe_dump(merged, sort_keys=False))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"# {base.name} + {overlay.name} (written by infra/params_overlay.py)\n"
+                       + yaml.safe_dump(merged, sort_keys=False))
+    except OSError as exc:
+        print(f"error: {exc.filename or out}: cannot write the merged params ({exc.strerror or exc})", file=sys.stderr)
+        return 2
     return 0
 
 

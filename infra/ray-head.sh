@@ -6,7 +6,8 @@
 #
 # start  generates a token if none exists, starts the head (dashboard / job API on 127.0.0.1 unless
 #        DASHBOARD_HOST is set) and writes $RAY_HEAD_DIR/env, which a submitter can source.
-# token  prints the token (give it to submitters: RAY_AUTH_TOKEN=..., or a file + RAY_AUTH_TOKEN_PATH).
+# token  prints the token, generating one if none exists (give it to submitters: RAY_AUTH_TOKEN=...,
+#        or a file + RAY_AUTH_TOKEN_PATH).
 # stop   stops only THIS head: the processes of the session it was started in and their children.
 #        (`ray stop` would kill every Ray process of every user on the machine.)
 #
@@ -34,6 +35,14 @@ dport=${DASHBOARD_PORT:-8265}
 export RAY_AUTH_MODE=token
 
 die() { echo "ray-head: $*" >&2; exit 1; }
+case $cmd in
+  start|stop|status|token|env) ;;
+  -h|--help|help|"") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; [[ -n $cmd ]] && exit 0; exit 2 ;;
+  *) echo "ray-head: unknown command '$cmd' (valid: start, stop, status, token, env; --help)" >&2; exit 2 ;;
+esac
+for var in RAY_PORT DASHBOARD_PORT RAY_CLIENT_PORT RAY_AGENT_PORT RAY_NUM_CPUS RAY_NUM_GPUS RAY_STOP_GRACE; do
+  [[ ${!var:-0} =~ ^[0-9]+$ ]] || { echo "ray-head: $var=${!var} is not a whole number" >&2; exit 2; }
+done
 command -v ray >/dev/null || die "ray not found on PATH (source .venv/bin/activate)"
 
 # A subshell: its umask makes the token file private from its creation (a chmod after it left a
@@ -42,14 +51,17 @@ ensure_token() (
   [[ -n ${RAY_AUTH_TOKEN:-} ]] && return
   umask 077
   if [[ -n ${RAY_AUTH_TOKEN_PATH:-} ]]; then
+    [[ ! -d $RAY_AUTH_TOKEN_PATH ]] || die "RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH is a folder: name the token's file"
     [[ -s $RAY_AUTH_TOKEN_PATH ]] && return
+    mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")" 2>/dev/null ||
+      die "RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH: cannot create its folder"
     # Ray's generator writes ~/.ray/auth_token: run it with a private HOME, move the file into place.
     local home
     home=$(mktemp -d)
+    trap 'rm -rf "$home"' EXIT
     env -u RAY_AUTH_TOKEN_PATH HOME="$home" ray get-auth-token --generate >/dev/null
-    mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
-    install -m 600 "$home/.ray/auth_token" "$RAY_AUTH_TOKEN_PATH"
-    rm -rf "$home"
+    install -m 600 "$home/.ray/auth_token" "$RAY_AUTH_TOKEN_PATH" 2>/dev/null ||
+      die "RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH: cannot write the token there"
   else
     ray get-auth-token --generate >/dev/null  # no-op when ~/.ray/auth_token exists
     chmod 600 "$HOME/.ray/auth_token"
@@ -127,6 +139,7 @@ case $cmd in
     echo "Ray head stopped ($(echo $pids | wc -w) processes)"
     ;;
   status)
+    [[ -n $(head_pids) ]] || die "no head running from $dir (bash infra/ray-head.sh start)"
     ray status --address "127.0.0.1:$port"
     ;;
   token)
@@ -135,10 +148,7 @@ case $cmd in
     echo
     ;;
   env)
+    [[ -f $dir/env ]] || die "no head started from $dir (bash infra/ray-head.sh start)"
     cat "$dir/env"
-    ;;
-  *)
-    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
-    [[ $cmd == -h || $cmd == --help || $cmd == help ]] || exit 2
     ;;
 esac

@@ -5,7 +5,7 @@
 #   bash infra/submit.sh [ray job submit options] [-- ENTRYPOINT ...]
 #   bash infra/submit.sh                                  # pretrain finetune evaluate export
 #   bash infra/submit.sh -- bash infra/job.sh shard-pretrain shard-finetune pretrain
-#   bash infra/submit.sh --no-wait --submission-id vit-42 # then: ray job logs -f vit-42
+#   bash infra/submit.sh --no-wait --submission-id vit-42 # then: RAY_AUTH_MODE=token ray job logs -f vit-42
 #
 # The repository (this script's parent directory) is uploaded as the job's working dir, without
 # .git (excluded here) and everything .gitignore'd (Ray honours it) — data/shards, models/, exports/,
@@ -13,6 +13,9 @@
 # and outputs never travel with the upload: the job (infra/job.sh) reads shards from and writes
 # models / metrics / plots / Ray checkpoints to VIT_WORKSPACE, a directory every node mounts at the
 # same path (NFS, EFS, a local path for a one-machine cluster) or an s3:// prefix. See infra/README.md.
+# Before uploading, it runs the job's own checks here (`job.sh --check`: stage names, workspace, params),
+# checks that the params files travel with the upload, and asks the job API whether it takes the token:
+# each problem is one line and exit 2, nothing submitted.
 #
 # Environment:
 #   RAY_API_SERVER_ADDRESS  job API of the head  [http://127.0.0.1:8265]; --address URL says it too
@@ -22,7 +25,7 @@
 #   VIT_PARAMS_OVERLAY      keys merged over it in the job, e.g. infra/params.cluster.yaml (GPU Ray section)
 #   MLFLOW_TRACKING_URI     tracking server the job logs to (an http:// URL reachable from the
 #                           cluster; unset: sqlite in the workspace, shared paths only)
-#   VIT_SHARDS_URL, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, AWS_REGION   passed on when set
+#   VIT_SHARDS_URL, AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3, AWS_DEFAULT_REGION, AWS_REGION   passed on when set
 #   VIT_JOB_ENV             extra NAME=VALUE pairs (space separated) for the job's environment
 # The job also gets VIT_GIT_COMMIT / VIT_GIT_DIRTY, this checkout's commit and state, for its runs' tags.
 # AWS credentials are NOT put in the job's runtime env (the dashboard shows it): give the nodes an
@@ -40,44 +43,51 @@ done
 entry=("$@")
 [[ ${#entry[@]} -gt 0 ]] || entry=(bash infra/job.sh pretrain finetune evaluate export)
 
-: "${VIT_WORKSPACE:?set VIT_WORKSPACE to a shared path or s3:// prefix the cluster can reach (see infra/README.md)}"
+die() { echo "submit: $*" >&2; exit 2; }
+[[ -n ${VIT_WORKSPACE:-} ]] || die "set VIT_WORKSPACE to a shared path or s3:// prefix the cluster can reach (see infra/README.md)"
 # A relative path would resolve inside the job's uploaded working dir (job.sh cd's to it there): the
 # outputs would land in a temp dir on one node and be lost.
-[[ $VIT_WORKSPACE == /* || $VIT_WORKSPACE == *://* ]] || {
-  echo "submit: VIT_WORKSPACE=$VIT_WORKSPACE must be an absolute path (as the cluster's nodes mount it) or an s3:// prefix" >&2; exit 2; }
-params=${VIT_PARAMS:-params.yaml}
-[[ $params == /* ]] && { echo "submit: VIT_PARAMS must be relative to the repo root (it is uploaded with it)" >&2; exit 2; }
-[[ -f $params ]] || { echo "submit: $params not found in $(pwd)" >&2; exit 2; }
-# Check the params here, before anything is uploaded (exit 2 with the offending key).
-check=$(mktemp -d)
-trap 'rm -rf "$check"' EXIT
-if [[ -n ${VIT_PARAMS_OVERLAY:-} ]]; then
-  [[ $VIT_PARAMS_OVERLAY != /* && -f $VIT_PARAMS_OVERLAY ]] || {
-    echo "submit: VIT_PARAMS_OVERLAY=$VIT_PARAMS_OVERLAY must be a file relative to the repo root" >&2; exit 2; }
-  python infra/params_overlay.py "$params" "$VIT_PARAMS_OVERLAY" "$check/params.yaml" || exit 2
-else
-  python -c 'import sys; from pipeline.config import ConfigError, load_params
-try: load_params(sys.argv[1])
-except ConfigError as e: sys.exit(f"submit: {e}")' "$params" || exit 2
-fi
+[[ $VIT_WORKSPACE == /* || $VIT_WORKSPACE == *://* ]] ||
+  die "VIT_WORKSPACE=$VIT_WORKSPACE must be an absolute path (as the cluster's nodes mount it) or an s3:// prefix"
+command -v python >/dev/null || die "python not found on PATH (source .venv/bin/activate)"
 
-runtime_env=$(VIT_PARAMS=$params python - <<'EOF'
-import json, os
-from pipeline.tracking import GIT_ENV, git_info
-names = ["VIT_WORKSPACE", "VIT_PARAMS", "VIT_PARAMS_OVERLAY", "VIT_SHARDS_URL", "MLFLOW_TRACKING_URI",
-         "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION"]
-env = {k: os.environ[k] for k in names if os.environ.get(k)}
-# the upload has no .git: the runs' git.commit / git.dirty tags (and pipeline run) come from this checkout
-env.update({GIT_ENV[k]: v for k, v in git_info().items() if v != "unknown"})
-for pair in os.environ.get("VIT_JOB_ENV", "").split():
-    k, _, v = pair.partition("=")
-    env[k] = v
-print(json.dumps({"env_vars": env,
-                  # Ray honours .gitignore but uploads .git; the rest is not needed by the job
-                  "excludes": [".git", "docs/", "benchmarks/", "tests/", ".dvc/cache/", ".dvc/tmp/",
-                               "metrics/", "plots/"]}))
-EOF
-)
+# What the upload leaves out beside what .gitignore names (Ray honours it); rooted, so that a folder of
+# the same name deeper down (pipeline/metrics/, say) still travels.
+EXCLUDES=(/.git /docs /benchmarks /tests /.dvc/cache /.dvc/tmp /metrics /plots)
+uploaded() {  # VAR FILE: the file must reach the job with the working dir
+  local var=$1 file=$2 real ex
+  real=$(realpath -m -- "$file")
+  [[ $real == "$PWD"/* ]] || die "$var=$file is outside the repository: the upload does not carry it"
+  for ex in "${EXCLUDES[@]}"; do
+    [[ /${real#"$PWD"/} != "$ex"/* ]] || die "$var=$file is under ${ex#/}/, which the upload leaves out: put it elsewhere"
+  done
+  ! git check-ignore -q -- "$file" 2>/dev/null || die "$var=$file is .gitignore'd: the upload leaves it out"
+}
+params=${VIT_PARAMS:-params.yaml}
+[[ $params != /* ]] || die "VIT_PARAMS=$params must be relative to the repo root (the file is uploaded with it)"
+[[ -f $params ]] || die "VIT_PARAMS=$params: no such file in $PWD"
+uploaded VIT_PARAMS "$params"
+params=$(realpath -m --relative-to=. -- "$params")  # as the job finds it: relative to its working dir
+if [[ -n ${VIT_PARAMS_OVERLAY:-} ]]; then
+  [[ $VIT_PARAMS_OVERLAY != /* ]] || die "VIT_PARAMS_OVERLAY=$VIT_PARAMS_OVERLAY must be relative to the repo root"
+  [[ -f $VIT_PARAMS_OVERLAY ]] || die "VIT_PARAMS_OVERLAY=$VIT_PARAMS_OVERLAY: no such file in $PWD"
+  uploaded VIT_PARAMS_OVERLAY "$VIT_PARAMS_OVERLAY"
+  VIT_PARAMS_OVERLAY=$(realpath -m --relative-to=. -- "$VIT_PARAMS_OVERLAY")
+fi
+# VIT_JOB_ENV: NAME=VALUE pairs, but not the variables this script checks and passes itself.
+set -f; pairs=(${VIT_JOB_ENV:-}); set +f
+for pair in ${pairs[@]+"${pairs[@]}"}; do
+  [[ $pair =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] ||
+    die "VIT_JOB_ENV: '$pair' is not NAME=VALUE (space-separated pairs; a value cannot hold a space)"
+  case ${pair%%=*} in VIT_WORKSPACE|VIT_PARAMS|VIT_PARAMS_OVERLAY|VIT_GIT_*)
+    die "VIT_JOB_ENV: ${pair%%=*} is checked and passed by submit.sh: set it as itself" ;;
+  esac
+done
+# The job's own checks (its stages, the workspace, the params), here, before anything is uploaded.
+stages=()
+[[ ${entry[0]} == bash && ${entry[1]:-} == infra/job.sh ]] && stages=("${entry[@]:2}")
+env ${pairs[@]+"${pairs[@]}"} VIT_PARAMS="$params" bash infra/job.sh --check ${stages[@]+"${stages[@]}"} >/dev/null ||
+  exit 2
 
 # Ray's `job submit` exits 1 for a failed job but 0 for a stopped one: name the job, to ask how it ended.
 job_id="" no_wait=false
@@ -90,6 +100,7 @@ for i in "${!opts[@]}"; do
     --address=*) RAY_API_SERVER_ADDRESS=${opts[i]#*=} ;;
   esac
 done
+[[ $job_id != -* ]] || die "--submission-id needs a value (got $job_id)"
 if [[ -z $job_id ]]; then
   job_id=vit-$(date +%Y%m%d-%H%M%S)-$RANDOM
   opts+=(--submission-id "$job_id")
@@ -97,9 +108,28 @@ fi
 
 export RAY_AUTH_MODE=token
 address=${RAY_API_SERVER_ADDRESS:-http://127.0.0.1:8265}
+# The token and the job API, asked before the upload: Ray's own client fails on either with a traceback.
+python infra/job_api_check.py "$address" || exit 2
+
+runtime_env=$(VIT_PARAMS=$params python - "${EXCLUDES[@]}" <<'EOF'
+import json, os, sys
+from pipeline.tracking import GIT_ENV, git_info
+names = ["VIT_WORKSPACE", "VIT_PARAMS", "VIT_PARAMS_OVERLAY", "VIT_SHARDS_URL", "MLFLOW_TRACKING_URI",
+         "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION"]
+env = {k: os.environ[k] for k in names if os.environ.get(k)}
+# the upload has no .git: the runs' git.commit / git.dirty tags (and pipeline run) come from this checkout
+env.update({GIT_ENV[k]: v for k, v in git_info().items() if v != "unknown"})
+for pair in os.environ.get("VIT_JOB_ENV", "").split():
+    k, _, v = pair.partition("=")
+    env[k] = v
+print(json.dumps({"env_vars": env, "excludes": sys.argv[1:]}))
+EOF
+)
+
 ray job submit --address "$address" --working-dir . --runtime-env-json "$runtime_env" "${opts[@]}" -- "${entry[@]}"
 $no_wait && exit 0
 status=$(python -c 'import sys; from ray.job_submission import JobSubmissionClient
-print(JobSubmissionClient(sys.argv[1]).get_job_status(sys.argv[2]).value)' "$address" "$job_id") || status=unknown
+print(JobSubmissionClient(sys.argv[1]).get_job_status(sys.argv[2]).value)' "$address" "$job_id" 2>/dev/null) || status=unknown
 [[ $status == SUCCEEDED ]] || {
-  echo "submit: job $job_id ended $status, not SUCCEEDED (its log: ray job logs --address $address $job_id)" >&2; exit 1; }
+  echo "submit: job $job_id ended $status, not SUCCEEDED (its log: RAY_AUTH_MODE=token ray job logs --address $address $job_id)" >&2
+  exit 1; }

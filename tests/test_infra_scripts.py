@@ -50,6 +50,32 @@ def stub_ray(tmp_path):
     return types.SimpleNamespace(env=env, log=log)
 
 
+JOB_API_TOKEN = "0123456789abcdef"
+
+
+@pytest.fixture
+def job_api():
+    """What submit.sh asks of a head's job API before it uploads (``GET /api/version`` with the token), on a
+    free port: 200 for :data:`JOB_API_TOKEN`, 403 for another (a real head answers so: tests/test_cluster.py)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.headers.get("Authorization") == f"Bearer {JOB_API_TOKEN}"
+            self.send_response(200 if ok and self.path == "/api/version" else 403 if not ok else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{server.server_port}", "RAY_AUTH_TOKEN": JOB_API_TOKEN}
+    server.shutdown()
+    server.server_close()
+
+
 # -------------------------------------------------------------------------------------------- submit.sh
 
 def test_submit_help_works_from_another_directory():
@@ -71,10 +97,10 @@ def test_submit_rejects_a_relative_workspace_before_submitting(stub_ray):
     assert not stub_ray.log.exists(), "ray job submit ran"
 
 
-def test_submit_passes_an_absolute_workspace_with_spaces(stub_ray, tmp_path):
+def test_submit_passes_an_absolute_workspace_with_spaces(stub_ray, job_api, tmp_path):
     ws = str(tmp_path / "my workspace")
     proc = subprocess.run(["bash", "infra/submit.sh", "--submission-id", "vit-test", "--no-wait"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env=stub_ray.env(VIT_WORKSPACE=ws))
+                          capture_output=True, text=True, timeout=120, env=stub_ray.env(VIT_WORKSPACE=ws, **job_api))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     args = stub_ray.log.read_text().splitlines()
     assert args[:2] == ["job", "submit"] and args[args.index("--submission-id") + 1] == "vit-test"
@@ -84,14 +110,43 @@ def test_submit_passes_an_absolute_workspace_with_spaces(stub_ray, tmp_path):
     assert args[args.index("--") + 1:] == ["bash", "infra/job.sh", "pretrain", "finetune", "evaluate", "export"]
 
 
-def test_submit_names_the_job_it_will_ask_about(stub_ray, tmp_path):
+def test_submit_names_the_job_it_will_ask_about(stub_ray, job_api, tmp_path):
     """Without --submission-id, submit.sh names the job itself: it asks the job API how that job ended
     (`ray job submit` exits 0 for a stopped job; tests/test_cluster.py stops a real one)."""
     proc = subprocess.run(["bash", "infra/submit.sh", "--no-wait"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=stub_ray.env(VIT_WORKSPACE=str(tmp_path / "ws")))
+                          timeout=120, env=stub_ray.env(VIT_WORKSPACE=str(tmp_path / "ws"), **job_api))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     args = stub_ray.log.read_text().splitlines()
     assert re.fullmatch(r"vit-\d{8}-\d{6}-\d+", args[args.index("--submission-id") + 1]), args
+
+
+@pytest.mark.parametrize("env, argv, needle", [
+    ({"RAY_AUTH_TOKEN": ""}, [], "submit: no Ray token: set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH"),
+    ({"RAY_AUTH_TOKEN": "wrong"}, [], "refused the token from RAY_AUTH_TOKEN (HTTP 403)"),
+    ({"RAY_API_SERVER_ADDRESS": "http://127.0.0.1:{closed}"}, [], "submit: no Ray job API at http://127.0.0.1:{closed} ("),
+    ({"VIT_WORKSPACE": "s3://bucket/ws"}, [], "job: with an object-store workspace set MLFLOW_TRACKING_URI"),
+    ({}, ["--", "bash", "infra/job.sh", "pretrian"], "job: unknown stage 'pretrian' (valid: shard-pretrain"),
+    ({"VIT_PARAMS": "tests/conftest.py"}, [], "VIT_PARAMS=tests/conftest.py is under tests/, which the upload leaves out"),
+    ({"VIT_PARAMS": "{outside}"}, [], "VIT_PARAMS={outside} is outside the repository"),
+    ({"VIT_PARAMS": "dvc.yaml"}, [], "job: VIT_PARAMS: "),
+    ({"VIT_JOB_ENV": "FOO=1 =bar"}, [], "VIT_JOB_ENV: '=bar' is not NAME=VALUE"),
+    ({"VIT_JOB_ENV": "VIT_WORKSPACE=ws"}, [], "VIT_JOB_ENV: VIT_WORKSPACE is checked and passed by submit.sh"),
+    ({}, ["--submission-id", "--no-wait"], "submit: --submission-id needs a value"),
+], ids=["no-token", "wrong-token", "no-head", "s3-without-mlflow", "stage-typo", "excluded-params",
+        "params-outside", "not-params", "job-env-pair", "job-env-override", "submission-id"])
+def test_submit_refuses_a_job_that_can_only_fail_before_uploading(stub_ray, job_api, tmp_path, env, argv, needle):
+    """Each in one line, exit 2, `ray job submit` never run: Ray's client printed a traceback for the first
+    three, and the rest failed on the cluster after the upload (or not at all: the overriding VIT_JOB_ENV)."""
+    from tests.conftest import free_port
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    names = {"closed": str(free_port()), "outside": os.path.relpath(tmp_path / "params.yaml", ROOT)}
+    env = {k: v.format(**names) for k, v in env.items()}
+    proc = subprocess.run(["bash", "infra/submit.sh", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=stub_ray.env(**{"VIT_WORKSPACE": str(tmp_path / "ws"), **job_api, **env}))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stdout + proc.stderr
+    assert needle.format(**names) in proc.stderr, proc.stderr
+    assert not stub_ray.log.exists(), "ray job submit ran"
 
 
 # ------------------------------------------------------------------------------------------ ray-head.sh
@@ -129,6 +184,67 @@ def test_ray_head_token_in_home_is_private_from_its_creation(stub_ray, tmp_path)
         assert token.stat().st_mode & 0o777 == 0o600
     finally:
         subprocess.run(["bash", script, "stop"], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("argv, env, code, line", [
+    (["bogus"], {}, 2, "ray-head: unknown command 'bogus' (valid: start, stop, status, token, env; --help)"),
+    (["status"], {}, 1, "ray-head: no head running from {dir} (bash infra/ray-head.sh start)"),
+    (["env"], {}, 1, "ray-head: no head started from {dir} (bash infra/ray-head.sh start)"),
+    (["start"], {"RAY_PORT": "63_79"}, 2, "ray-head: RAY_PORT=63_79 is not a whole number"),
+    (["stop"], {"RAY_STOP_GRACE": "ten"}, 2, "ray-head: RAY_STOP_GRACE=ten is not a whole number"),
+    (["token"], {"RAY_AUTH_TOKEN_PATH": "{tmp}"}, 1, "ray-head: RAY_AUTH_TOKEN_PATH={tmp} is a folder: name the token's file"),
+], ids=["unknown", "status", "env", "port", "grace", "token-folder"])
+def test_ray_head_bad_input_is_one_line(stub_ray, tmp_path, argv, env, code, line):
+    """`status` without a head waited 40 s for a GCS and printed a traceback; an unknown command printed the
+    23-line usage without naming it; a grace that is not a number killed at once ("unbound variable")."""
+    names = {"dir": str(tmp_path / "head"), "tmp": str(tmp_path)}
+    proc = subprocess.run(["bash", str(ROOT / "infra/ray-head.sh"), *argv], capture_output=True, text=True, timeout=60,
+                          env=stub_ray.env(RAY_HEAD_DIR=names["dir"], **{k: v.format(**names) for k, v in env.items()}))
+    assert (proc.returncode, proc.stderr) == (code, line.format(**names) + "\n"), proc.stdout + proc.stderr
+    assert not stub_ray.log.exists(), "ray ran"
+
+
+# --------------------------------------------------------------------------------- job.sh, mlflow-server.sh
+
+def test_job_check_names_each_problem_and_creates_nothing(tmp_path):
+    """`job.sh --check` (what submit.sh runs before an upload): the stages, the workspace and the params, each
+    problem one line and exit 2; a good job is one line and creates nothing, not even the workspace."""
+    ws = tmp_path / "ws"
+    cases = [({}, [], "job: set VIT_WORKSPACE (a shared path or s3:// prefix)"),
+             ({"VIT_WORKSPACE": str(ws), "VIT_PARAMS": "nope.yaml"}, [], f"job: VIT_PARAMS: {ROOT}/nope.yaml: file not found"),
+             ({"VIT_WORKSPACE": str(ws), "VIT_PARAMS_OVERLAY": "dvc.yaml"}, [], "error: "),
+             ({"VIT_WORKSPACE": str(ws)}, ["evaluate", "export", "train"], "job: unknown stage 'train'")]
+    for env, stages, start in cases:
+        proc = subprocess.run(["bash", "infra/job.sh", "--check", *stages], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, env=clean_env(**env))
+        assert proc.returncode == 2 and proc.stderr.startswith(start) and proc.stderr.count("\n") == 1, proc.stderr
+    proc = subprocess.run(["bash", "infra/job.sh", "--check", "evaluate"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=clean_env(VIT_WORKSPACE=str(ws), VIT_PARAMS_OVERLAY="infra/params.cluster.yaml"))
+    assert proc.returncode == 0 and proc.stdout == (f"[job] checked: workspace {ws}, params {ROOT}/params.yaml + overlay "
+                                                    "infra/params.cluster.yaml, stages: evaluate\n"), proc.stderr
+    assert not ws.exists()
+
+
+def test_mlflow_server_refuses_a_taken_port_and_bad_values_before_creating_its_store(tmp_path):
+    """`mlflow server` created the store, then exited 0 when its port was taken (uvicorn only logs it): the
+    stages logged to whatever held the port. Now each is one line, before anything is created."""
+    import socket
+
+    store = tmp_path / "store"
+    base = {"MLFLOW_BACKEND_STORE_URI": f"sqlite:///{store}/mlflow.db", "MLFLOW_ARTIFACTS_DESTINATION": str(store / "art")}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        for env, code, line in (
+                ({"MLFLOW_PORT": str(taken)}, 1, f"mlflow-server: port {taken} (MLFLOW_PORT) on 127.0.0.1 is already "
+                                                 "in use: stop what holds it, or set MLFLOW_PORT to a free port"),
+                ({"MLFLOW_PORT": "5OOO"}, 2, "mlflow-server: MLFLOW_PORT=5OOO is not a port number"),
+                ({"MLFLOW_WORKERS": "two"}, 2, "mlflow-server: MLFLOW_WORKERS=two is not a whole number above 0")):
+            proc = subprocess.run(["bash", str(ROOT / "infra/mlflow-server.sh")], capture_output=True, text=True,
+                                  timeout=60, env=clean_env(**base, **env))
+            assert (proc.returncode, proc.stderr) == (code, line + "\n"), proc.stderr[-2000:]
+    assert not store.exists()
 
 
 # ------------------------------------------------------------------------------------- ray-cluster.yaml
