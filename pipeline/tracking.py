@@ -186,7 +186,7 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     pid = pipeline_id(params_path)
     start_ms = pipeline_run.process_start_ms()
     all_tags = {**base_tags, **environment.describe(listing=listing), **(tags or {}), "stage": stage, "kind": "stage",
-                "pipeline.id": pid}
+                "pipeline.id": pid, **pipeline_run.experiment_name_tag()}  # a stage run is found by its experiment too
     run_name = all_tags.pop("run_name", stage)
     if resume_key:
         all_tags["ray.run_name"] = resume_key

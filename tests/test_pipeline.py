@@ -304,10 +304,10 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, queued):
     differ = {k for k in a.data.params.keys() | b.data.params.keys() if a.data.params.get(k) != b.data.params.get(k)}
     assert differ == {"finetune.interpolation.mode"}
     assert a.data.params["finetune.interpolation.mode"] == "bilinear"
-    for r in runs.values():
-        stages = {c.data.tags["stage"] for c in client.search_runs(
-            [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{r.info.run_id}'")}
-        assert stages == {"finetune", "evaluate"}  # pretrain: unchanged, not re-run; export: not a target
+    for name, r in runs.items():
+        children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{r.info.run_id}'")
+        assert {c.data.tags["stage"] for c in children} == {"finetune", "evaluate"}  # pretrain: unchanged, not
+        assert all(c.data.tags["dvc.exp_name"] == name for c in children)            # re-run; export: not a target
         assert r.data.tags["pretrain.reused"] == "true"  # from the run that trained models/pretrain
         first = client.get_run(client.get_run(r.data.tags["pretrain.run_id"]).data.tags["mlflow.parentRunId"])
         assert r.data.metrics["pretrain.wall_s"] == first.data.metrics["pretrain.wall_s"] > 0

@@ -61,6 +61,7 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
     assert link in capsys.readouterr().out.splitlines()  # the UI's model-training view (README)
     (parent,) = parents
     assert parent.info.run_name == "interp-bilinear" and parent.data.tags["dvc.exp_name"] == "interp-bilinear"
+    assert client.get_run(ev).data.tags["dvc.exp_name"] == "interp-bilinear"  # stage runs too, to search them by it
     assert parent.info.status == "FINISHED"
     p, m, t = parent.data.params, parent.data.metrics, parent.data.tags
     assert p["finetune.interpolation.mode"] == "bilinear" and p["model.preset"] == "nano"
