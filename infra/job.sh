@@ -14,9 +14,9 @@
 #           the same path on every node (NFS, EFS, Filestore, a PVC with ReadWriteMany).
 #   s3://…  the workspace is mirrored through a local scratch dir ($VIT_SCRATCH, default derived
 #           from the URL so a re-run lands on the same path and resumes the same Ray run): the
-#           stages' inputs (shards, models, the training curves evaluate draws) are pulled first, each stage's outputs pushed right
-#           after it. Put Ray
-#           checkpoints in the bucket too (`ray.storage_path: s3://…`) and set MLFLOW_TRACKING_URI.
+#           stages' inputs (shards, models, the training curves evaluate draws) are pulled first,
+#           each stage's outputs pushed right after it. Put Ray checkpoints in the bucket too
+#           (`ray.storage_path: s3://…`) and set MLFLOW_TRACKING_URI.
 # VIT_PARAMS: params file, relative to the repo root (the uploaded working dir) or absolute.
 # VIT_PARAMS_OVERLAY: optional overlay merged into it (infra/params.cluster.yaml: the GPU Ray section).
 # Runs anywhere the repo and its venv are: on the submitter too (e.g. to shard into the workspace).

@@ -54,25 +54,24 @@ command -v python >/dev/null || die "python not found on PATH (source .venv/bin/
 # What the upload leaves out beside what .gitignore names (Ray honours it); rooted, so that a folder of
 # the same name deeper down (pipeline/metrics/, say) still travels.
 EXCLUDES=(/.git /docs /benchmarks /tests /.dvc/cache /.dvc/tmp /metrics /plots)
-uploaded() {  # VAR FILE: the file must reach the job with the working dir
-  local var=$1 file=$2 real ex
-  real=$(realpath -m -- "$file")
-  [[ $real == "$PWD"/* ]] || die "$var=$file is outside the repository: the upload does not carry it"
+uploaded() {  # VAR FILE: the file must reach the job with the working dir; prints its path there
+  local var=$1 file=$2 rel ex
+  rel=$(python -c 'import os, sys; print(os.path.relpath(os.path.join(sys.argv[2], sys.argv[1]), sys.argv[2]))' "$file" "$PWD")
+  [[ $rel != ../* ]] || die "$var=$file is outside the repository: the upload does not carry it"
   for ex in "${EXCLUDES[@]}"; do
-    [[ /${real#"$PWD"/} != "$ex"/* ]] || die "$var=$file is under ${ex#/}/, which the upload leaves out: put it elsewhere"
+    [[ /$rel != "$ex"/* ]] || die "$var=$file is under ${ex#/}/, which the upload leaves out: put it elsewhere"
   done
-  ! git check-ignore -q -- "$file" 2>/dev/null || die "$var=$file is .gitignore'd: the upload leaves it out"
+  ! git check-ignore -q -- "$rel" 2>/dev/null || die "$var=$file is .gitignore'd: the upload leaves it out"
+  echo "$rel"
 }
 params=${VIT_PARAMS:-params.yaml}
 [[ $params != /* ]] || die "VIT_PARAMS=$params must be relative to the repo root (the file is uploaded with it)"
 [[ -f $params ]] || die "VIT_PARAMS=$params: no such file in $PWD"
-uploaded VIT_PARAMS "$params"
-params=$(realpath -m --relative-to=. -- "$params")  # as the job finds it: relative to its working dir
+params=$(uploaded VIT_PARAMS "$params") || exit 2
 if [[ -n ${VIT_PARAMS_OVERLAY:-} ]]; then
   [[ $VIT_PARAMS_OVERLAY != /* ]] || die "VIT_PARAMS_OVERLAY=$VIT_PARAMS_OVERLAY must be relative to the repo root"
   [[ -f $VIT_PARAMS_OVERLAY ]] || die "VIT_PARAMS_OVERLAY=$VIT_PARAMS_OVERLAY: no such file in $PWD"
-  uploaded VIT_PARAMS_OVERLAY "$VIT_PARAMS_OVERLAY"
-  VIT_PARAMS_OVERLAY=$(realpath -m --relative-to=. -- "$VIT_PARAMS_OVERLAY")
+  VIT_PARAMS_OVERLAY=$(uploaded VIT_PARAMS_OVERLAY "$VIT_PARAMS_OVERLAY") || exit 2
 fi
 # VIT_JOB_ENV: NAME=VALUE pairs, but not the variables this script checks and passes itself.
 set -f; pairs=(${VIT_JOB_ENV:-}); set +f
