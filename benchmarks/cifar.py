@@ -19,11 +19,17 @@ def extract_cifar(dest: Path, tarball: Path = CIFAR_TGZ) -> Path:
     set next time."""
     if (dest / "train").is_dir():
         return dest
+    if dest.is_dir() and any(dest.iterdir()):  # replacing it would delete what it holds
+        raise FileExistsError(f"{dest}: not empty and holds no train/: name an ImageFolder with train/<class>/, "
+                              f"or a new or empty folder to extract CIFAR-10 into")
     if not Path(tarball).is_file():
         raise FileNotFoundError(f"{tarball}: no such CIFAR-10 tarball (ImageFolder JPEGs, train/ and test/)")
     with staged_outputs(dest) as out:
-        with tarfile.open(tarball) as tf:
-            tf.extractall(out[dest], filter="data")
+        try:
+            with tarfile.open(tarball) as tf:
+                tf.extractall(out[dest], filter="data")
+        except tarfile.TarError as exc:  # cut short or not a tarball: say which file
+            raise ValueError(f"{tarball}: not a whole CIFAR-10 tarball ({exc})") from None
     return dest
 
 
@@ -32,6 +38,9 @@ def cifar_shards(out: Path, data: DataConfig, tarball: Path = CIFAR_TGZ) -> Path
     ``out`` as ``data`` (the recipe's ``data.<stage>``, its ``root`` replaced by the extracted copy) says;
     nothing to do when ``out`` already holds them."""
     if not (out / DATASET_INFO).exists():
+        if out.is_dir() and any(out.iterdir()):  # refused by the sharding too, but after the extraction
+            raise FileExistsError(f"{out}: not empty and holds no {DATASET_INFO}: name a new or empty folder "
+                                  f"for the CIFAR-10 shards")
         print(f"sharding CIFAR-10 from {tarball} into {out} (once)", flush=True)
         raw = extract_cifar(out.parent / (out.name + "-jpg"), tarball)
         shard_dataset(out, dataclasses.replace(data, source="imagefolder", root=str(raw)))

@@ -30,6 +30,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -51,6 +52,7 @@ from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noq
 from pipeline.train.driver import TrainingDiverged, fit  # noqa: E402
 from pipeline.train.selection import THRESHOLDS  # noqa: E402
 from pipeline.training import load_finetune_start, model_meta, plan_stage, pretrain_start, stage_summary  # noqa: E402
+from pipeline.utils import atomic_write_text  # noqa: E402
 
 EXIT_BAD_INPUT, EXIT_RUN_AGAIN = 2, 75  # 75: EX_TEMPFAIL, "try again"
 LEVELS = [round(level * 100) for level in THRESHOLDS]
@@ -185,17 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         params = load_recipe(args)
         device = training_device(params)
         shards = stage_shards(args, params, stages)
-        for shard_dir in set(shards.values()):
-            read_dataset_info(shard_dir)  # a missing dataset.json fails here, before any training
-        if args.out:  # its folder now, not after the training (the report would be lost then)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-    except (ConfigError, OSError, ValueError) as exc:  # a damaged dataset.json too
+        check_splits(shards)  # a missing or damaged dataset.json, or a split missing, before any training
+        if args.out:  # writable now, not found unwritable after the training (the report would be lost)
+            check_out(args.out)
+    except (ConfigError, OSError, ValueError) as exc:
         return fail(exc)
     deadline = None if args.max_minutes is None else STARTED + 60 * args.max_minutes
     print(f"[tta] {device_name(device)}; checkpoints in {args.workdir}", flush=True)
     try:
         report = run(args, params, shards, device, deadline)
-    except (ConfigError, TrainingDiverged) as exc:
+    except (ConfigError, TrainingDiverged, OSError, ValueError) as exc:  # a finetune.init not there, say
         return fail(exc)
     except DeadlinePassed as exc:
         minutes = (time.time() - STARTED) / 60
@@ -203,11 +204,37 @@ def main(argv: list[str] | None = None) -> int:
               f"run the same command again to continue", flush=True)
         return EXIT_RUN_AGAIN
     report["command_wall_time_s"] = time.time() - STARTED
+    if args.out:  # first: the report is what the run was for
+        try:
+            atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
+            plot_history({stage: s["history"] for stage, s in report["stages"].items()}, curves_path(args.out))
+        except OSError as exc:
+            return fail(exc)
     print_summary(report)
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        plot_history({stage: s["history"] for stage, s in report["stages"].items()}, curves_path(args.out))
     return 0
+
+
+def check_splits(shards: dict[str, Path]) -> None:
+    """Every stage's shards have a val split (what keeps and stops a run), the last stage's a test split
+    (what the command scores): a split missing was found only after the training, as a NaN top-1."""
+    needs = {stage: ("val",) for stage in shards}
+    needs[list(shards)[-1]] += ("test",)
+    for stage, shard_dir in shards.items():
+        counts = read_dataset_info(shard_dir)["counts"]
+        for split in needs[stage]:
+            if not counts.get(split):
+                raise ConfigError(f"{shard_dir} holds no {split} split (counts: {counts}); the {stage} stage "
+                                  f"{'keeps its weights by' if split == 'val' else 'is tested on'} it: shard with "
+                                  f"a {split}_fraction above 0")
+
+
+def check_out(out: Path) -> None:
+    """``--out`` names a file whose folder this command can write into (made now if missing)."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out}: is a folder; give a file in it, e.g. --out {out / 'tta.json'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".tta-check-"):
+        pass
 
 
 def curves_path(out: Path) -> Path:

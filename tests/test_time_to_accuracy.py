@@ -98,8 +98,18 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
     (tmp_path / "damaged").mkdir()
     (tmp_path / "damaged/dataset.json").write_text("{")
     damaged = run_as_on_gpu_box(SCRIPT, "--shards", tmp_path / "damaged", "--workdir", tmp_path / "work")
+    untested = tmp_path / "no-test"  # shards without a test split: the command had nothing to score, after training
+    info = json.loads((digits_dir / "dataset.json").read_text())
+    info["counts"]["test"] = 0
+    untested.mkdir()
+    (untested / "dataset.json").write_text(json.dumps(info))
+    no_test = run_as_on_gpu_box(SCRIPT, "--shards", untested, "--workdir", tmp_path / "work")
+    (tmp_path / "results").mkdir()
+    out_folder = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                                   "--out", tmp_path / "results")  # the report was lost after the training
     for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope"),
-                        (damaged, "dataset.json: not valid JSON"),
+                        (damaged, "dataset.json: not valid JSON"), (no_test, f"{untested} holds no test split"),
+                        (out_folder, f"--out {tmp_path / 'results'}: is a folder"),
                         (no_gpu, "ray.use_gpu: true"),
                         (bad_value, "pretrain.augment.auto_augment='autoaugment'; valid: ")):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
@@ -191,7 +201,7 @@ def test_cifar_extraction_is_all_or_nothing(tmp_path):
         tf.add(tmp_path / "c10" / "test", "test")
     cut.write_bytes(tarball.read_bytes()[: tarball.stat().st_size // 3])  # inside train/
     dest = tmp_path / "data" / "cifar10"
-    with pytest.raises(tarfile.ReadError):
+    with pytest.raises(ValueError, match=f"^{cut}: not a whole CIFAR-10 tarball"):
         extract_cifar(dest, cut)
     assert not (tmp_path / "data").exists()  # neither dest nor the temp folder, nor the folder made for them
     with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'none.tgz'}: no such CIFAR-10 tarball"):
@@ -205,6 +215,12 @@ def test_cifar_extraction_is_all_or_nothing(tmp_path):
     assert files(dest) == files(tmp_path / "c10") and len(files(dest)) > 40
     tarball.unlink()
     assert extract_cifar(dest, tarball) == dest  # already there: the tarball is not needed again
+    mine = tmp_path / "my-images"  # an ImageFolder without train/ (--data of a flat one) is not replaced
+    (mine / "cat").mkdir(parents=True)
+    (mine / "cat" / "1.jpg").write_bytes(b"mine")
+    with pytest.raises(FileExistsError, match="not empty and holds no train/"):
+        extract_cifar(mine, cut)
+    assert (mine / "cat" / "1.jpg").read_bytes() == b"mine"
 
 
 @pytest.mark.slow
