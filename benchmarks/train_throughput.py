@@ -272,16 +272,22 @@ def main() -> None:
         # ray.backend local: one rank, the whole global batch on this device
         params = load_recipe_params(args.params, args.recipe, args.set, forced={"ray.backend": "local"})
         shard_dir = args.shards
+        cfg = getattr(params, args.stage)
+        if args.compare_graph and cfg.cuda_graph:  # before the shards are built and the model planned
+            refuse(f"--compare-graph: {args.stage}.cuda_graph is already true in {args.recipe or args.params}; "
+                   f"compare against the plain step with --set {args.stage}.cuda_graph=false "
+                   f"--set {args.stage}.compile_mode=reduce-overhead")
+        if args.profile:  # its folder now, not after the measurement
+            args.profile.mkdir(parents=True, exist_ok=True)
         if args.cifar:
             shard_dir = cifar_shards(args.shards, getattr(params.data, args.stage), args.cifar_tarball)
         info = read_dataset_info(shard_dir)
-    except (ConfigError, OSError, ValueError) as exc:  # bad params, no tarball, no or damaged shards: one line
-        refuse(str(exc))
-    cfg = getattr(params, args.stage)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(cfg.seed)
-    model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
-    loop = plan_stage(args.stage, params, cfg, model, shard_dir, info)[1].loop  # as the stage plans its run
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        torch.manual_seed(cfg.seed)
+        model = build_model(params.model, image_size=cfg.image_size, num_classes=len(info["classes"]))
+        loop = plan_stage(args.stage, params, cfg, model, shard_dir, info)[1].loop  # as the stage plans its run
+    except (ConfigError, OSError, ValueError) as exc:  # bad params, no tarball, no or damaged shards, a batch
+        refuse(str(exc))                              # too large, no CUDA for a GPU recipe: one line
     if args.input_scaling:
         return input_scaling(loop, device, args.input_scaling, args.steps)
     stepper = Stepper(model.to(device), loop, device)
@@ -289,10 +295,6 @@ def main() -> None:
     if args.compare_mode:
         twins[args.compare_mode] = mode_twin(stepper, loop, args.compare_mode)
     if args.compare_graph:
-        if loop.cuda_graph:
-            refuse(f"--compare-graph: {args.stage}.cuda_graph is already true in {args.recipe or args.params}; "
-                   f"compare against the plain step with --set {args.stage}.cuda_graph=false "
-                   f"--set {args.stage}.compile_mode=reduce-overhead")
         mode = "default" if loop.compile_mode in CUDAGRAPH_MODES else loop.compile_mode
         twins["cuda_graph"] = twin(stepper, loop, cuda_graph=True, compile_mode=mode)
     steps_needed = (args.rounds * (3 + len(twins)) * args.steps + 8 * (1 + len(twins))

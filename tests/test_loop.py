@@ -573,6 +573,10 @@ def test_input_scaling_reports_each_worker_count(digits_dir):
     damaged = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", tmp_path)
     assert damaged.returncode == 2 and damaged.stderr.startswith("error: ") and damaged.stderr.count("\n") == 1
     assert "dataset.json: not valid JSON" in damaged.stderr
+    too_big = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir,  # a traceback before
+                                "--set", "pretrain.global_batch_size=100000")
+    assert too_big.returncode == 2 and too_big.stderr.count("\n") == 1, too_big.stderr[-2000:]
+    assert too_big.stderr.startswith("error: pretrain.global_batch_size: 100000 is larger than the train split")
 
 
 def test_mfu_counts_no_recomputation_and_compare_mode_leaves_the_step_graph(digits_dir):
