@@ -2,8 +2,9 @@
 
 Each subcommand is an existing module's ``main(argv, prog)``, imported only when that subcommand
 runs, so ``vit-pipeline --help`` loads no third-party package and ``vit-pipeline predict`` loads
-torch, torchvision and (for ONNX) onnxruntime, MLflow only for a registered version, never Ray or DVC. ``stage`` runs a DVC stage module exactly as
-``python -m stages.<name>`` (what dvc.yaml calls) does; the stage names are the modules in ``stages/``.
+torch, torchvision and (for ONNX) onnxruntime, MLflow only for a registered version, never Ray or DVC.
+``stage`` runs a DVC stage module exactly as ``python -m stages.<name>`` (what dvc.yaml calls) does;
+the stage names are the modules in ``stages/``.
 """
 from __future__ import annotations
 
