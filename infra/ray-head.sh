@@ -35,10 +35,8 @@ dport=${DASHBOARD_PORT:-8265}
 export RAY_AUTH_MODE=token
 
 die() { echo "ray-head: $*" >&2; exit 1; }
-case $cmd in
-  start|stop|status|token|env) ;;
+case $cmd in  # the help needs no ray
   -h|--help|help|"") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; [[ -n $cmd ]] && exit 0; exit 2 ;;
-  *) echo "ray-head: unknown command '$cmd' (valid: start, stop, status, token, env; --help)" >&2; exit 2 ;;
 esac
 for var in RAY_PORT DASHBOARD_PORT RAY_CLIENT_PORT RAY_AGENT_PORT RAY_NUM_CPUS RAY_NUM_GPUS RAY_STOP_GRACE; do
   [[ ${!var:-0} =~ ^[0-9]+$ ]] || { echo "ray-head: $var=${!var} is not a whole number" >&2; exit 2; }
@@ -150,5 +148,8 @@ case $cmd in
   env)
     [[ -f $dir/env ]] || die "no head started from $dir (bash infra/ray-head.sh start)"
     cat "$dir/env"
+    ;;
+  *)
+    echo "ray-head: unknown command '$cmd' (valid: start, stop, status, token, env; --help)" >&2; exit 2
     ;;
 esac

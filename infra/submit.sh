@@ -110,7 +110,7 @@ address=${RAY_API_SERVER_ADDRESS:-http://127.0.0.1:8265}
 # The token and the job API, asked before the upload: Ray's own client fails on either with a traceback.
 python infra/job_api_check.py "$address" || exit 2
 
-runtime_env=$(VIT_PARAMS=$params python - "${EXCLUDES[@]}" <<'EOF'
+runtime_env=$(VIT_PARAMS=$params EXCLUDES="${EXCLUDES[*]}" python - ${pairs[@]+"${pairs[@]}"} <<'EOF'
 import json, os, sys
 from pipeline.tracking import GIT_ENV, git_info
 names = ["VIT_WORKSPACE", "VIT_PARAMS", "VIT_PARAMS_OVERLAY", "VIT_SHARDS_URL", "MLFLOW_TRACKING_URI",
@@ -118,10 +118,8 @@ names = ["VIT_WORKSPACE", "VIT_PARAMS", "VIT_PARAMS_OVERLAY", "VIT_SHARDS_URL", 
 env = {k: os.environ[k] for k in names if os.environ.get(k)}
 # the upload has no .git: the runs' git.commit / git.dirty tags (and pipeline run) come from this checkout
 env.update({GIT_ENV[k]: v for k, v in git_info().items() if v != "unknown"})
-for pair in os.environ.get("VIT_JOB_ENV", "").split():
-    k, _, v = pair.partition("=")
-    env[k] = v
-print(json.dumps({"env_vars": env, "excludes": sys.argv[1:]}))
+env.update(pair.split("=", 1) for pair in sys.argv[1:])  # VIT_JOB_ENV's pairs, as checked above
+print(json.dumps({"env_vars": env, "excludes": os.environ["EXCLUDES"].split()}))
 EOF
 )
 
