@@ -131,8 +131,7 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
     a CIFAR-shaped tarball of a few images, made CPU-sized with --set: the shards follow the recipe's
     data section, the pretrain alone trains (within the recipe's time budget, planned at the end of a
     warm-up shortened to 2 epochs, its step as the recipe's one CUDA graph runs eagerly on a CPU, with
-    the next GPU run's lever, MixUp / CutMix on half the batches, docs/gpu.md) and the test split
-    scores its kept weights."""
+    the recipe's MixUp / CutMix on half the batches) and the test split scores its kept weights."""
     import tarfile
 
     from tests.data_helpers import make_imagefolder
@@ -148,9 +147,7 @@ def test_cifar_recipe_command_on_a_small_tarball(tmp_path):
         "finetune.global_batch_size=16", "pretrain.compile=false", "finetune.compile=false")]
     out, shards = tmp_path / "tta.json", tmp_path / "work" / "cifar10-shards"
     proc = run_as_on_gpu_box(SCRIPT, "--recipe", "configs/cifar10-1gpu.yaml", "--cifar", "--stages", "pretrain",
-                             "--cifar-tarball", tarball, "--workdir", tmp_path / "work", *cpu_sized,
-                             "--set=pretrain.mixup_alpha=1.0", "--set=pretrain.cutmix_alpha=1.0",
-                             "--set=pretrain.mix_prob=0.5", "--out", out)
+                             "--cifar-tarball", tarball, "--workdir", tmp_path / "work", *cpu_sized, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = read_dataset_info(shards)
     assert info["classes"] == ["cat", "dog", "eel"] and info["counts"]["test"] == 90
@@ -247,7 +244,8 @@ def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
     refused = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--recipe",
                                 "configs/cifar10-1gpu.yaml")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert refused.stderr.strip().endswith("the plain loop has no pretrain.ema_decay=0.9998; set them off (--set) to compare")
+    assert refused.stderr.strip().endswith("the plain loop has no pretrain.ema_decay=0.9998, pretrain.mix_prob=0.5; "
+                                           "set them off (--set) to compare")
     (folder / "test").rename(tmp_path / "elsewhere")
     missing = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, *small)
     assert missing.returncode == 2 and f"{folder / 'test'}: no such folder" in missing.stderr
