@@ -102,11 +102,22 @@ def test_top1(model: torch.nn.Module, data, device: torch.device, workers: int) 
     return correct.item() / len(data)
 
 
+def image_folder(root: Path, transform: v2.Compose) -> datasets.ImageFolder:
+    """torchvision's ImageFolder; a folder without class folders or images is a ConfigError naming it."""
+    try:
+        return datasets.ImageFolder(root, transform)
+    except FileNotFoundError as exc:  # "Couldn't find any class folder", "Found no valid file"
+        raise ConfigError(f"{root}: {str(exc).rstrip('.')} (--imagefolder needs train/<class>/ and "
+                          "test/<class>/ images)") from None
+
+
 def train(cfg: TrainConfig, params, folder: Path, workers: int, device: torch.device) -> float:
     train_tf, test_tf = transforms(cfg, check_supported(cfg))
     torch.manual_seed(cfg.seed)
-    train_set = datasets.ImageFolder(folder / "train", train_tf)
-    test_set = datasets.ImageFolder(folder / "test", test_tf)
+    train_set, test_set = image_folder(folder / "train", train_tf), image_folder(folder / "test", test_tf)
+    if len(train_set) < cfg.global_batch_size:  # drop_last: not one step an epoch
+        raise ConfigError(f"pretrain.global_batch_size={cfg.global_batch_size}: more than the {len(train_set)} "
+                          f"images of {folder / 'train'}; give at most that")
     loader = torch.utils.data.DataLoader(train_set, cfg.global_batch_size, shuffle=True, drop_last=True,
                                          num_workers=workers, persistent_workers=workers > 0,
                                          pin_memory=device.type == "cuda")
@@ -152,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         params = load_recipe_params(args.params, args.recipe, args.set)
+        if args.workers < 0:
+            raise ConfigError(f"--workers {args.workers}: give 0 (load in this process) or more")
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device here (--device cpu)")
         for split in ("train", "test"):

@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stages = ["pretrain"] if args.stages == "pretrain" else list(TRAINING_STAGES)
     try:
+        if args.max_minutes is not None and not 0 <= args.max_minutes < float("inf"):  # nan fails both
+            raise ConfigError(f"--max-minutes {args.max_minutes:g}: give the minutes this command may train, "
+                              "a number >= 0 (0: stop at the first checkpoint)")
         params = load_recipe(args)
         device = training_device(params)
         shards = stage_shards(args, params, stages)

@@ -107,9 +107,12 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
     (tmp_path / "results").mkdir()
     out_folder = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
                                    "--out", tmp_path / "results")  # the report was lost after the training
+    no_budget = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                                  "--max-minutes", "nan")  # trained on: no deadline was ever passed
     for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope"),
                         (damaged, "dataset.json: not valid JSON"), (no_test, f"{untested} holds no test split"),
                         (out_folder, f"--out {tmp_path / 'results'}: is a folder"),
+                        (no_budget, "--max-minutes nan: give the minutes this command may train"),
                         (no_gpu, "ray.use_gpu: true"),
                         (bad_value, "pretrain.augment.auto_augment='autoaugment'; valid: ")):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
@@ -249,6 +252,19 @@ def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
     (folder / "test").rename(tmp_path / "elsewhere")
     missing = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, *small)
     assert missing.returncode == 2 and f"{folder / 'test'}: no such folder" in missing.stderr
+    # each of these was a traceback: a negative worker count, a batch larger than the train split (no step an
+    # epoch: a ZeroDivisionError), a test/ without class folders
+    (tmp_path / "elsewhere").rename(folder / "test")
+    too_big = ["--set=pretrain.global_batch_size=1000"]  # 12 images a class here
+    (tmp_path / "bare" / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "bare" / "test").mkdir()
+    for args, line in ((["--imagefolder", folder, "--workers", "-1"], "--workers -1: give 0"),
+                       (["--imagefolder", folder, *small, *too_big], "pretrain.global_batch_size=1000: more than the "),
+                       (["--imagefolder", tmp_path / "bare", *small],
+                        f"{tmp_path / 'bare' / 'train'}: Found no valid file")):
+        bad = run_as_on_gpu_box("benchmarks/plain_loop.py", "--workers", "0", *args)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr[-2000:]
+        assert bad.stderr.startswith("error: ") and line in bad.stderr
 
 
 # the schedules step here without training, which torch warns about
