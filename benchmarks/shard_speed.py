@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import extract_cifar  # noqa: E402
+from benchmarks.cifar import CIFAR_TGZ, extract_cifar  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import shard_dataset  # noqa: E402
 
@@ -29,13 +29,15 @@ def rss_mb() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path("/tmp/cifar10"))
+    ap.add_argument("--data", type=Path, default=Path("/tmp/cifar10"), help="CIFAR-10 extracted here once "
+                    "(or an ImageFolder with train/ already there)")
+    ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
     ap.add_argument("--out", type=Path, default=Path("/tmp/cifar10-shard-bench"))
     ap.add_argument("--source", default="imagefolder", choices=["imagefolder", "fractals"])
     ap.add_argument("--maxcount", type=int, default=5000)
     args = ap.parse_args()
     if args.source == "imagefolder":
-        extract_cifar(args.data)
+        extract_cifar(args.data, args.cifar_tarball)
     base = rss_mb()
     c0, t0 = os.times(), time.perf_counter()
     if args.source == "imagefolder":
@@ -59,5 +61,6 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except FileNotFoundError as exc:  # no CIFAR-10 tarball: one line
-        sys.exit(f"error: {exc}")
+    except (OSError, ValueError) as exc:  # no or a damaged CIFAR-10 tarball, --data in the way: one line
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

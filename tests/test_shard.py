@@ -664,6 +664,15 @@ def test_shard_benchmark_runs_on_a_small_imagefolder(tmp_path):
     assert int(rate[3]) > 0
     assert re.search(r"peak RSS \d+ MB \(after imports \d+ MB; sharding adds -?\d+ MB\)", proc.stdout), proc.stdout
 
+    # --cifar-tarball: a missing or a damaged one is one line, exit 2 (it was exit 1, or a traceback), nothing left
+    (tmp_path / "cut.tar.gz").write_bytes(b"\x1f\x8b not a whole tarball")
+    for tarball, says in (("nope.tar.gz", "no such CIFAR-10 tarball"), ("cut.tar.gz", "not a whole CIFAR-10 tarball")):
+        bad = subprocess.run([sys.executable, "benchmarks/shard_speed.py", "--data", tmp_path / "cifar",
+                              "--cifar-tarball", tmp_path / tarball, "--out", tmp_path / "out2"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and bad.stderr == f"error: {tmp_path / tarball}: {says}" + bad.stderr.split(says)[1]
+        assert bad.stderr.count("\n") == 1 and not (tmp_path / "cifar").exists() and not (tmp_path / "out2").exists()
+
 
 def test_deep_grayscale_is_scaled_to_8_bits_and_float_images_are_skipped(tmp_path):
     """16-bit PNG and PGM inputs (PIL modes I;16 and I) shard, both encodings decode to each value's
