@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.model import build_vit  # noqa: E402
+from pipeline.utils import positive_int, seconds  # noqa: E402
 
 CASES = [  # (preset, image, patch, batch, max timed steps per mode)
     ("nano", 16, 4, 128, 80),
@@ -142,8 +143,8 @@ def print_breakdown(case: str, mode: str, parts: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=20.0, help="seconds per (case, mode) before stopping early")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--budget", type=seconds, default=20.0, help="seconds per (case, mode) before stopping early")
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument(
         "--clock", choices=("wall", "cpu"), default="wall",
         help="cpu = this thread's CPU time: immune to other processes on a shared box, exact only with --threads 1",
@@ -154,7 +155,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="profile each model after timing: ms/step in "
                     "matmul/conv and attention kernels (the same for both) vs everything else")
     ap.add_argument("--cases", default="nano,tiny", help="comma-separated presets from CASES")
-    ap.add_argument("--rounds", type=int, default=None, help="timed train rounds per case (infer: 2x); "
+    ap.add_argument("--rounds", type=positive_int, default=None, help="timed train rounds per case (infer: 2x); "
                     "default: CASES' figure. More rounds narrow the median on a noisy machine")
     args = ap.parse_args()
     unknown = sorted(set(args.cases.split(",")) - {case[0] for case in CASES})

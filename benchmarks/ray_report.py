@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.cluster import REPORT_POLL_VAR, init_ray  # noqa: E402
 from pipeline.config import RayConfig  # noqa: E402
+from pipeline.utils import positive_int, seconds  # noqa: E402
 
 
 def reporting_loop(cfg: dict) -> None:
@@ -68,9 +69,9 @@ def measure(interval: str, args: argparse.Namespace, storage: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--reports", type=int, default=10)
-    ap.add_argument("--gap", type=float, default=1.0, help="seconds of 'training' between reports")
+    ap.add_argument("--workers", type=positive_int, default=2)
+    ap.add_argument("--reports", type=positive_int, default=10)
+    ap.add_argument("--gap", type=seconds, default=1.0, help="seconds of 'training' between reports")
     args = ap.parse_args()
     from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S
 

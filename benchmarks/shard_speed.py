@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.cifar import CIFAR_TGZ, extract_cifar  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import shard_dataset  # noqa: E402
+from pipeline.utils import positive_int  # noqa: E402
 
 
 
@@ -34,7 +35,7 @@ def main() -> None:
     ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
     ap.add_argument("--out", type=Path, default=Path("/tmp/cifar10-shard-bench"))
     ap.add_argument("--source", default="imagefolder", choices=["imagefolder", "fractals"])
-    ap.add_argument("--maxcount", type=int, default=5000)
+    ap.add_argument("--maxcount", type=positive_int, default=5000)
     args = ap.parse_args()
     if args.source == "imagefolder":
         extract_cifar(args.data, args.cifar_tarball)

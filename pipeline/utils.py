@@ -127,3 +127,14 @@ def positive_int(text: str) -> int:
     if value is None or value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not valid: must be an integer >= 1")
     return value
+
+
+def seconds(text: str) -> float:
+    """argparse type for durations: a finite number >= 0 (``nan`` and ``inf`` parse as floats)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid: must be a number of seconds >= 0")
+    return value

@@ -702,14 +702,20 @@ def test_finetune_keeps_the_head_only_for_the_pretrained_classes(tmp_path, capsy
         load_params(root / "params.yaml", overrides={"finetune.head": "keep"})
 
 
-def test_speed_benchmark_refuses_an_unknown_case():
+@pytest.mark.parametrize("args, says", [
+    (["--cases", "nano,foo"], "--cases: foo not among nano, tiny"),
+    (["--threads", "0"], "argument --threads: '0' is not valid: must be an integer >= 1"),  # torch raised
+    (["--rounds", "-2"], "argument --rounds: '-2' is not valid: must be an integer >= 1"),  # an IndexError
+    (["--budget", "nan"], "argument --budget: 'nan' is not valid: must be a number of seconds >= 0"),  # never stopped
+])
+def test_speed_benchmark_refuses_bad_arguments(args, says):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "benchmarks/model_speed.py", "--cases", "nano,foo"],
+    proc = subprocess.run([sys.executable, "benchmarks/model_speed.py", *args],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == "model_speed.py: error: --cases: foo not among nano, tiny"
+    assert proc.stderr.strip().splitlines()[-1] == f"model_speed.py: error: {says}"
 
 
 @pytest.mark.slow
