@@ -49,9 +49,10 @@ from pipeline.plots import plot_history  # noqa: E402
 from pipeline.recipes import load_recipe_params  # noqa: E402
 from pipeline.train.context import local_device  # noqa: E402
 from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noqa: E402
-from pipeline.train.driver import TrainingDiverged, fit  # noqa: E402
+from pipeline.train.driver import TrainingDiverged, check_stage, fit  # noqa: E402
 from pipeline.train.selection import THRESHOLDS  # noqa: E402
-from pipeline.training import load_finetune_start, model_meta, plan_stage, pretrain_start, stage_summary  # noqa: E402
+from pipeline.training import (check_finetune_init, load_finetune_start, model_meta, plan_stage,  # noqa: E402
+                               pretrain_start, stage_summary)
 from pipeline.utils import atomic_write_text  # noqa: E402
 
 EXIT_BAD_INPUT, EXIT_RUN_AGAIN = 2, 75  # 75: EX_TEMPFAIL, "try again"
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         device = training_device(params)
         shards = stage_shards(args, params, stages)
         check_splits(shards)  # a missing or damaged dataset.json, or a split missing, before any training
+        check_stages(params, shards)  # the fine-tune's too, before the pretrain spends its time
         if args.out:  # writable now, not found unwritable after the training (the report would be lost)
             check_out(args.out)
     except (ConfigError, OSError, ValueError) as exc:
@@ -229,6 +231,15 @@ def check_splits(shards: dict[str, Path]) -> None:
                 raise ConfigError(f"{shard_dir} holds no {split} split (counts: {counts}); the {stage} stage "
                                   f"{'keeps its weights by' if split == 'val' else 'is tested on'} it: shard with "
                                   f"a {split}_fraction above 0")
+
+
+def check_stages(params: Params, shards: dict[str, Path]) -> None:
+    """Each stage's own checks that need no model (shard files, a full batch, the time budget's plan) and
+    the fine-tune's ``finetune.init``: found before the pretrain trains, not after it."""
+    for stage, shard_dir in shards.items():
+        check_stage(stage, params, getattr(params, stage), shard_dir, read_dataset_info(shard_dir))
+    if "finetune" in shards:
+        check_finetune_init(params)
 
 
 def check_out(out: Path) -> None:

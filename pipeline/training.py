@@ -177,6 +177,16 @@ def as_configured(params: Params, model: VisionTransformer, source: Path) -> Vis
     return moved
 
 
+INIT_KINDS = "a model directory, .safetensors or .pt file"
+
+
+def check_finetune_init(params: Params) -> None:
+    """``finetune.init``, when it names a file, names one that is there."""
+    init = params.finetune.init
+    if init not in (None, "scratch") and not Path(init).exists():
+        raise FileNotFoundError(f"finetune.init: {init} does not exist ({INIT_KINDS})")
+
+
 def _load_external(params: Params, path: Path) -> VisionTransformer:
     """Weights from a file (ours, timm's or torchvision's key layout), built at their own patch size and
     grid; the caller then moves the model to the fine-tune resolution with the configured interpolation.
@@ -184,10 +194,8 @@ def _load_external(params: Params, path: Path) -> VisionTransformer:
     A weights file records neither its grid's shape nor the head count: the grid is taken as square (a
     non-square one needs a model directory, whose config.json has it) and heads come from ``model.*``.
     """
-    kinds = "a model directory, .safetensors or .pt file"
-    if not path.exists():
-        raise FileNotFoundError(f"finetune.init: {path} does not exist ({kinds})")
-    redo = f"finetune.init must name {kinds}"
+    check_finetune_init(params)
+    redo = f"finetune.init must name {INIT_KINDS}"
     if path.is_dir():
         return as_configured(params, load_model(path, redo=redo)[0], path)
     state = _read_weights(params, path, redo)

@@ -109,10 +109,17 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
                                    "--out", tmp_path / "results")  # the report was lost after the training
     no_budget = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
                                   "--max-minutes", "nan")  # trained on: no deadline was ever passed
+    # the fine-tune's own checks, found after the pretrain had trained (--stages all, the default)
+    ft_batch = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                                 "--set", "finetune.global_batch_size=100000")
+    ft_init = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                                "--set", f"finetune.init={tmp_path / 'nope.safetensors'}")
     for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope"),
                         (damaged, "dataset.json: not valid JSON"), (no_test, f"{untested} holds no test split"),
                         (out_folder, f"--out {tmp_path / 'results'}: is a folder"),
                         (no_budget, "--max-minutes nan: give the minutes this command may train"),
+                        (ft_batch, "finetune.global_batch_size: 100000 is larger than the train split"),
+                        (ft_init, f"finetune.init: {tmp_path / 'nope.safetensors'} does not exist"),
                         (no_gpu, "ray.use_gpu: true"),
                         (bad_value, "pretrain.augment.auto_augment='autoaugment'; valid: ")):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]

@@ -127,18 +127,27 @@ def warmup_note(stage: str, recipe: TrainConfig, warmup_steps: int, steps_per_ep
             f"learning rate rises to the end and never decays; lower {stage}.warmup_epochs for a real run")
 
 
-def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
-                shard_dir: str, logged: dict[str, str] | None = None) -> RunSpec:
-    """Everything the ranks need, and the run name that identifies this exact run (and the params
-    ``logged`` for it, which its tracking run cannot change once they are recorded)."""
-    info = read_dataset_info(shard_dir)
+def check_stage(stage: str, params: Params, recipe: TrainConfig, shard_dir: str | Path,
+                info: dict) -> tuple[int, int]:
+    """What a stage's run needs of its shards and of this machine, none of which needs a model: its shard
+    files, the local runner's cores, one full batch, a time budget's plan. Returns the steps of an epoch
+    and of the warm-up. (A command that runs two stages checks the second one's before the first trains.)"""
     check_shard_files(shard_dir, info)
-    world = params.ray.world_size
     check_local_capacity(params.ray)
     check_batch_fits(stage, recipe.global_batch_size, info["counts"]["train"], shard_dir)
     steps = info["counts"]["train"] // recipe.global_batch_size
     warmup_steps = int(round(recipe.warmup_epochs * steps))
     check_budget_plans(stage, recipe, warmup_steps, steps)
+    return steps, warmup_steps
+
+
+def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
+                shard_dir: str, logged: dict[str, str] | None = None) -> RunSpec:
+    """Everything the ranks need, and the run name that identifies this exact run (and the params
+    ``logged`` for it, which its tracking run cannot change once they are recorded)."""
+    info = read_dataset_info(shard_dir)
+    steps, warmup_steps = check_stage(stage, params, recipe, shard_dir, info)
+    world = params.ray.world_size
     note = warmup_note(stage, recipe, warmup_steps, steps)
     if note:
         print(f"[{stage}] warning: {note}", file=sys.stderr, flush=True)
