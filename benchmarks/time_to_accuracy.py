@@ -102,6 +102,8 @@ def training_device(params: Params) -> torch.device:
 def stage_shards(args: argparse.Namespace, params: Params, stages: list[str]) -> dict[str, Path]:
     """Each stage's shard directory; CIFAR-10 shards are built first with --cifar (as the recipe's
     ``data.pretrain`` says: both stages read them)."""
+    if args.finetune_shards and "finetune" not in stages:
+        raise ConfigError("--finetune-shards: --stages pretrain trains no fine-tune (drop one of them)")
     if args.shards is None and not args.cifar:
         raise ConfigError("--shards DIR is required (the shard stage's output), or --cifar to build CIFAR-10 shards")
     shards = args.shards or args.workdir / "cifar10-shards"

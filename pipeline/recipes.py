@@ -49,10 +49,13 @@ def load_recipe_params(params_path, recipe: str | None, sets: list[str] = (),
                        forced: dict[str, object] | None = None) -> Params:
     """``params_path`` with the recipe, then the ``--set``s, then ``forced`` (a caller's own settings) on
     top, checked layer by layer, so that a bad value names where it came from: the params file, the
-    recipe, or the ``--set``s."""
+    recipe, or the ``--set``s. A ``--set`` of a forced key to another value is refused, not overridden."""
     params = load_params(params_path)  # its own problems name it
-    layers = [(str(recipe), recipe_overrides(recipe)), ("--set " + " ".join(sets), recipe_overrides(None, sets)),
-              ("", forced or {})]
+    asked = recipe_overrides(None, sets)
+    for key, value in (forced or {}).items():  # a --set the command would silently override
+        if key in asked and asked[key] != value:
+            raise ConfigError(f"--set {key}={asked[key]}: this command sets {key} itself (to {value})")
+    layers = [(str(recipe), recipe_overrides(recipe)), ("--set " + " ".join(sets), asked), ("", forced or {})]
     applied: dict[str, object] = {}
     for source, layer in layers:
         if not layer:

@@ -109,6 +109,12 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
                                    "--out", tmp_path / "results")  # the report was lost after the training
     no_budget = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
                                   "--max-minutes", "nan")  # trained on: no deadline was ever passed
+    # silently overridden or ignored before: the command's own ray.storage_path (--workdir), fine-tune shards
+    # for a pretrain alone
+    storage = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
+                                "--set", f"ray.storage_path={tmp_path / 'elsewhere'}")
+    unused = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work", "--stages", "pretrain",
+                               "--finetune-shards", digits_dir)
     # the fine-tune's own checks, found after the pretrain had trained (--stages all, the default)
     ft_batch = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
                                  "--set", "finetune.global_batch_size=100000")
@@ -119,6 +125,9 @@ def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
                         (out_folder, f"--out {tmp_path / 'results'}: is a folder"),
                         (no_budget, "--max-minutes nan: give the minutes this command may train"),
                         (ft_batch, "finetune.global_batch_size: 100000 is larger than the train split"),
+                        (storage, f"--set ray.storage_path={tmp_path / 'elsewhere'}: this command sets "
+                                  f"ray.storage_path itself (to {tmp_path / 'work'})"),
+                        (unused, "--finetune-shards: --stages pretrain trains no fine-tune"),
                         (ft_init, f"finetune.init: {tmp_path / 'nope.safetensors'} does not exist"),
                         (no_gpu, "ray.use_gpu: true"),
                         (bad_value, "pretrain.augment.auto_augment='autoaugment'; valid: ")):
