@@ -92,14 +92,17 @@ env ${pairs[@]+"${pairs[@]}"} VIT_PARAMS="$params" bash infra/job.sh --check ${s
 job_id="" no_wait=false
 for i in "${!opts[@]}"; do
   case ${opts[i]} in
+    --submission-id|--address)  # the value is the next option: not there, or an option itself
+      [[ -n ${opts[i+1]:-} && ${opts[i+1]} != -* ]] || die "${opts[i]} needs a value (got '${opts[i+1]:-}')" ;;
+  esac
+  case ${opts[i]} in
     --no-wait) no_wait=true ;;
-    --submission-id) job_id=${opts[i+1]:-} ;;
+    --submission-id) job_id=${opts[i+1]} ;;
     --submission-id=*) job_id=${opts[i]#*=} ;;
-    --address) RAY_API_SERVER_ADDRESS=${opts[i+1]:-} ;;  # the head the job goes to is the one to ask
+    --address) RAY_API_SERVER_ADDRESS=${opts[i+1]} ;;  # the head the job goes to is the one to ask
     --address=*) RAY_API_SERVER_ADDRESS=${opts[i]#*=} ;;
   esac
 done
-[[ $job_id != -* ]] || die "--submission-id needs a value (got $job_id)"
 if [[ -z $job_id ]]; then
   job_id=vit-$(date +%Y%m%d-%H%M%S)-$RANDOM
   opts+=(--submission-id "$job_id")

@@ -131,9 +131,12 @@ def test_submit_names_the_job_it_will_ask_about(stub_ray, job_api, tmp_path):
     ({"VIT_PARAMS": "dvc.yaml"}, [], "job: VIT_PARAMS: "),
     ({"VIT_JOB_ENV": "FOO=1 =bar"}, [], "VIT_JOB_ENV: '=bar' is not NAME=VALUE"),
     ({"VIT_JOB_ENV": "VIT_WORKSPACE=ws"}, [], "VIT_JOB_ENV: VIT_WORKSPACE is checked and passed by submit.sh"),
-    ({}, ["--submission-id", "--no-wait"], "submit: --submission-id needs a value"),
+    ({}, ["--submission-id", "--no-wait"], "submit: --submission-id needs a value (got '--no-wait')"),
+    ({}, ["--no-wait", "--submission-id"], "submit: --submission-id needs a value (got '')"),  # Ray took the id's flag as the id
+    ({}, ["--address"], "submit: --address needs a value (got '')"),
 ], ids=["no-token", "wrong-token", "no-head", "s3-without-mlflow", "stage-typo", "excluded-params",
-        "params-outside", "not-params", "job-env-pair", "job-env-override", "submission-id"])
+        "params-outside", "not-params", "job-env-pair", "job-env-override", "submission-id", "submission-id-last",
+        "address-last"])
 def test_submit_refuses_a_job_that_can_only_fail_before_uploading(stub_ray, job_api, tmp_path, env, argv, needle):
     """Each in one line, exit 2, `ray job submit` never run: Ray's client printed a traceback for the first
     three, and the rest failed on the cluster after the upload (or not at all: the overriding VIT_JOB_ENV)."""
