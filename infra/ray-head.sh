@@ -35,6 +35,7 @@ dport=${DASHBOARD_PORT:-8265}
 export RAY_AUTH_MODE=token
 
 die() { echo "ray-head: $*" >&2; exit 1; }
+no_options() { [[ $# -eq 0 ]] || { echo "ray-head: $cmd takes no options (got: $*); only start passes them to ray" >&2; exit 2; }; }
 case $cmd in  # the help needs no ray
   -h|--help|help|"") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; [[ -n $cmd ]] && exit 0; exit 2 ;;
 esac
@@ -121,6 +122,7 @@ case $cmd in
     echo "Submit: source $dir/env && bash infra/submit.sh        Stop: bash infra/ray-head.sh stop"
     ;;
   stop)
+    no_options "$@"
     pids=$(head_pids)
     if [[ -z $pids ]]; then echo "no head running from $dir"; exit 0; fi
     kill -TERM $pids 2>/dev/null || true
@@ -137,15 +139,18 @@ case $cmd in
     echo "Ray head stopped ($(echo $pids | wc -w) processes)"
     ;;
   status)
+    no_options "$@"
     [[ -n $(head_pids) ]] || die "no head running from $dir (bash infra/ray-head.sh start)"
     ray status --address "127.0.0.1:$port"
     ;;
   token)
+    no_options "$@"
     ensure_token
     ray get-auth-token 2>/dev/null
     echo
     ;;
   env)
+    no_options "$@"
     [[ -f $dir/env ]] || die "no head started from $dir (bash infra/ray-head.sh start)"
     cat "$dir/env"
     ;;

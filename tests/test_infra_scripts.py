@@ -196,7 +196,8 @@ def test_ray_head_token_in_home_is_private_from_its_creation(stub_ray, tmp_path)
     (["start"], {"RAY_PORT": "63_79"}, 2, "ray-head: RAY_PORT=63_79 is not a whole number"),
     (["stop"], {"RAY_STOP_GRACE": "ten"}, 2, "ray-head: RAY_STOP_GRACE=ten is not a whole number"),
     (["token"], {"RAY_AUTH_TOKEN_PATH": "{tmp}"}, 1, "ray-head: RAY_AUTH_TOKEN_PATH={tmp} is a folder: name the token's file"),
-], ids=["unknown", "status", "env", "port", "grace", "token-folder"])
+    (["stop", "--force"], {}, 2, "ray-head: stop takes no options (got: --force); only start passes them to ray"),
+], ids=["unknown", "status", "env", "port", "grace", "token-folder", "stop-option"])
 def test_ray_head_bad_input_is_one_line(stub_ray, tmp_path, argv, env, code, line):
     """`status` without a head waited 40 s for a GCS and printed a traceback; an unknown command printed the
     23-line usage without naming it; a grace that is not a number killed at once ("unbound variable")."""
