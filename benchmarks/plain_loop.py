@@ -10,8 +10,8 @@ recipe, then compare the per-epoch train loss and the test top-1:
 A gap beyond run-to-run noise points at the project's loop; none means the recipe, not the loop,
 decides the accuracy. It covers crop, flip, RandAugment / TrivialAugmentWide, normalisation and
 random erasing per sample (torchvision's own transforms, where the project batches them on the
-device) and MixUp / CutMix per batch, not EMA or layer decay (a recipe that asks for them is
-refused, exit 2). It runs where the stages would: on a GPU when there is one (bf16 autocast unless
+device) and MixUp / CutMix per batch, not EMA, layer decay, a time budget, ``keep: best`` or early
+stopping (a recipe that asks for them is refused, exit 2: it trains ``epochs`` and tests the last). It runs where the stages would: on a GPU when there is one (bf16 autocast unless
 ``amp: off``, as the stages' ``auto``; eager, no CUDA graphs), else on the CPU in full precision.
 """
 from __future__ import annotations
@@ -41,7 +41,9 @@ def check_supported(cfg: TrainConfig) -> dict:
     """The recipe's augmentation, or ConfigError naming what this loop does not implement."""
     aug = dict(cfg.augment or {})
     asked = {"ema_decay": cfg.ema_decay, "layer_decay": cfg.layer_decay, "amp": "fp16" if cfg.amp == "fp16" else None,
-             "mix_prob": cfg.mix_prob if cfg.mix_prob < 1 else None}
+             "mix_prob": cfg.mix_prob if cfg.mix_prob < 1 else None,  # and what picks the epochs and weights:
+             "time_budget_minutes": cfg.time_budget_minutes, "keep": cfg.keep if cfg.keep != "last" else None,
+             "early_stop_patience": cfg.early_stop_patience}  # it trains `epochs` and tests the last
     off = [f"pretrain.{k}={v!r}" for k, v in asked.items() if v]
     if off:
         raise ConfigError(f"the plain loop has no {', '.join(off)}; set them off (--set) to compare")

@@ -263,8 +263,9 @@ def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
     refused = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--recipe",
                                 "configs/cifar10-1gpu.yaml")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert refused.stderr.strip().endswith("the plain loop has no pretrain.ema_decay=0.9998, pretrain.mix_prob=0.5; "
-                                           "set them off (--set) to compare")
+    assert refused.stderr.strip().endswith(
+        "the plain loop has no pretrain.ema_decay=0.9998, pretrain.mix_prob=0.5, pretrain.time_budget_minutes=7.5, "
+        "pretrain.keep='best'; set them off (--set) to compare")
     (folder / "test").rename(tmp_path / "elsewhere")
     missing = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, *small)
     assert missing.returncode == 2 and f"{folder / 'test'}: no such folder" in missing.stderr
