@@ -634,7 +634,10 @@ def load_stage_params() -> Params:
 def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None = None) -> Params:
     """Read, type-check and validate ``params.yaml``; raise :class:`ConfigError` on any problem."""
     path = Path(path)
-    raw = _read_yaml(path, missing="file not found" + ("" if path.is_absolute() else " (run from the repository root)"))
+    # the hint for the stages' own params.yaml, read from the working directory; a path the user named
+    # (an absolute one, --params other.yaml) is simply not there
+    hint = " (run from the repository root)" if path == Path("params.yaml") else ""
+    raw = _read_yaml(path, missing="file not found" + hint)
     if raw is None:  # an empty file would otherwise run every stage on defaults without a word
         sections = ", ".join(f.name for f in dataclasses.fields(Params))
         raise ConfigError(f"{path}: is empty (or only comments); expected the sections {sections} "

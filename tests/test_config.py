@@ -420,10 +420,12 @@ def test_one_gpu_recipe_is_valid_and_runs_in_process():
 
 def test_params_file_named_by_vit_params_names_the_variable(tmp_path, monkeypatch):
     """A file ``$VIT_PARAMS`` names that is missing or wrong: the line says the variable chose it, and an
-    absolute path gets no "run from the repository root" hint (which cannot help it)."""
+    absolute path, or any file but params.yaml, gets no "run from the repository root" hint (which cannot help it)."""
     from pipeline.config import PARAMS_ENV, load_stage_params
 
     monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^nope.yaml: file not found$"):  # a file named: no hint
+        load_params("nope.yaml")
     with pytest.raises(ConfigError, match=r"^params.yaml: file not found \(run from the repository root\)$"):
         load_stage_params()
     monkeypatch.setenv(PARAMS_ENV, str(tmp_path / "cluster.yaml"))
