@@ -160,6 +160,7 @@ def export(params: Params) -> dict:
                                                         run, meta)
         atomic_write_json(out[metrics_path("export")], report)
         out.publish()
+        mlflow.log_artifact(str(metrics_path("export")))  # as the other stages log their metrics file
     for fmt, r in results.items():
         print(f"[export] {fmt}: max |logit diff| {r['max_abs_diff']:.2e}, top-1 agreement "
               f"{r['top1_agreement']:.3f}", flush=True)

@@ -208,6 +208,8 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     assert int(version.version) == export["registered_model"]["version"] and version.status == "READY"
     assert {r.data.tags["stage"] for r in ml.search_runs([exp.experiment_id], "tags.kind = 'stage'")} == \
         {"pretrain", "finetune", "evaluate", "export"}
+    (export_run,) = ml.search_runs([exp.experiment_id], "tags.stage = 'export'")  # its report beside its files
+    assert {"export.json", "exports"} <= {a.path for a in ml.list_artifacts(export_run.info.run_id)}
     top1 = json.loads((ws / "metrics/evaluate.json").read_text())["top1"]
     assert version.tags["test_top1"] == f"{top1:.4f}"  # the job evaluated before it exported
 
