@@ -504,8 +504,8 @@ def test_run_name_covers_every_param_the_run_logs(digits_dir, tmp_path):
 
 def test_run_name_changes_with_the_training_code(digits_dir, tmp_path, monkeypatch):
     """Edited training code is another run: `dvc repro` after the edit trains again (it republished the
-    finished run of the code before). An edit to code outside WEIGHTS_CODE (logging) continues a run; every
-    WEIGHTS_CODE entry is a dvc.yaml dep of both training stages, so DVC re-runs them when the name changes."""
+    finished run of the code before). A comment or docstring edit, or an edit to code outside WEIGHTS_CODE
+    (logging), continues a run; every WEIGHTS_CODE entry is a dvc.yaml dep of both training stages, so DVC re-runs them when the name changes."""
     import shutil
 
     import yaml
@@ -526,10 +526,15 @@ def test_run_name_changes_with_the_training_code(digits_dir, tmp_path, monkeypat
     base = driver.code_digest(tmp_path)
     assert base == driver.code_digest(root)
     with open(tmp_path / "pipeline/tracking.py", "a") as f:
-        f.write("# a logging edit\n")
+        f.write("LOGGING_EDIT = 1\n")
     assert driver.code_digest(tmp_path) == base
-    with open(tmp_path / "pipeline/train/step.py", "a") as f:
-        f.write("# a training edit\n")
+    step = tmp_path / "pipeline/train/step.py"
+    code = step.read_text()
+    # comments, a reflowed docstring and blank lines: what the code does is unchanged, the run continues
+    first_doc = code.index('"""', code.index("def "))
+    step.write_text("# a comment\n\n" + code[:first_doc + 3] + "Reflowed,\n    " + code[first_doc + 3:])
+    assert driver.code_digest(tmp_path) == base
+    step.write_text(code + "\nTRAINING_EDIT = 1\n")
     assert driver.code_digest(tmp_path) != base
 
     params, info = load_params(root / "params.yaml"), read_dataset_info(digits_dir)

@@ -8,6 +8,7 @@ path), while changed params start a fresh one.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
@@ -69,13 +70,27 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def code_digest(root: Path = PACKAGE_ROOT) -> str:
-    """The sha256 of :data:`WEIGHTS_CODE`'s Python files under ``root``, their names and bytes."""
+    """The sha256 of :data:`WEIGHTS_CODE`'s Python files under ``root``: their names and what their code
+    does (the syntax tree less docstrings; comments never reach it), so a documentation edit continues a
+    run and a code edit starts another."""
     h = hashlib.sha256()
     for entry in WEIGHTS_CODE:
         path = root / entry
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + _code_of(f) + b"\0")
     return h.hexdigest()[:16]
+
+
+def _code_of(path: Path) -> bytes:
+    """The module's syntax tree without docstrings, as text (line numbers left out)."""
+    tree = ast.parse(path.read_bytes(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree).encode()
 
 
 def _state_digest(state: dict[str, torch.Tensor]) -> str:
