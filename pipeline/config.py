@@ -23,7 +23,7 @@ import yaml
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
-# export.opset: 17 or newer; 25 is the newest at which onnxruntime 1.31.1 (constraints.txt) loads the exported ViT
+# export.opset: 17 or newer; 25 is the newest at which onnxruntime 1.31.1 (requirements.txt) loads the exported ViT
 # (at 26 the export completes, then onnxruntime refuses it: INVALID_GRAPH on its Attention node). Re-check on a new pin.
 ONNX_OPSETS = range(17, 26)
 AMP_MODES = ("auto", "bf16", "fp16", "off")

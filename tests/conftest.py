@@ -156,6 +156,15 @@ def pinned_requirements(*files: str) -> dict[str, str]:
     return pins
 
 
+def locked_versions(lock: str) -> dict[str, set[str]]:
+    """``{name: {versions}}`` of a lock the repository holds (``requirements*.lock``, scripts/lock.sh): a
+    package may be locked at one version per platform or Python (each entry then carries its markers)."""
+    locked: dict[str, set[str]] = {}
+    for m in re.finditer(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==(\S+)", (ROOT / lock).read_text(), flags=re.M):
+        locked.setdefault(normalized_name(m.group(1)), set()).add(m.group(2))
+    return locked
+
+
 def gpu_box_blocked_imports() -> list[str]:
     """Import names of every requirement in requirements.txt that is not on :data:`GPU_BOX_REQUIREMENTS`
     (Ray, MLflow, DVC, ONNX, S3, ...): what a plain GPU box may lack."""

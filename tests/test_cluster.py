@@ -360,8 +360,7 @@ def test_ray_cluster_yaml():
     assert gpu_workers and all(t["max_workers"] >= t.get("min_workers", 0) for t in gpu_workers)
     assert sum(t["max_workers"] for t in gpu_workers) <= cfg["max_workers"]
     setup = " ".join(cfg["setup_commands"])
-    assert "requirements.txt" in setup and "pip install" in setup and "-c ~/vit-pipeline/constraints.txt" in setup
-    assert "pip install -q --upgrade pip -c ~/vit-pipeline/constraints.txt" in setup  # pip itself locked too
+    assert "pip install -q --no-deps --require-hashes -r ~/vit-pipeline/requirements.lock" in setup  # pip too
     start = " ".join(cfg["head_start_ray_commands"])
     assert "RAY_AUTH_MODE=token" in start and "ray start --head" in start
     assert "RAY_AUTH_MODE=token" in " ".join(cfg["worker_start_ray_commands"])
@@ -426,7 +425,7 @@ def test_dockerfile_image_holds_what_it_runs(tmp_path):
     copied = [src for line in lines if line.startswith("COPY ") for src in line.split()[1:-1]]
     copy_repo_files(app, copied)
     runs = [cmd.strip() for line in lines if line.startswith("RUN ") for cmd in line[4:].split(" && ")]
-    assert any(re.search(r"pip install -r requirements.txt -c constraints.txt$", r) for r in runs), runs
+    assert any(re.search(r"pip install --no-deps --require-hashes -r requirements.lock$", r) for r in runs), runs
     check = next(r for r in runs if r.startswith("python -c"))
     where = 'python -c "import pipeline, stages; print(pipeline.__file__, *stages.__path__)"'
     proc = subprocess.run(["bash", "-c", f"{check} && {where}"], cwd=app, capture_output=True, text=True,

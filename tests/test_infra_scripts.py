@@ -372,22 +372,50 @@ def test_sourcing_env_sh_leaves_the_shell_s_options_and_activates():
     assert kept.stdout.strip() == "kept"  # and an option the caller had stays on
 
 
+def _lock_entry(name: str) -> str:
+    """``name``'s entry in requirements-test.lock: its ``name==version`` line and its hashes."""
+    text = (ROOT / "requirements-test.lock").read_text()
+    entry = re.search(rf"^{name}==.*?(?=^\S|\Z)", text, flags=re.M | re.S).group(0)
+    return "\n".join(line for line in entry.splitlines() if not line.lstrip().startswith("#")) + "\n"
+
+
 def test_env_sh_rebuilds_a_venv_cut_short_and_stamps_only_what_installed(tmp_path):
-    """A venv left without pip (its creation stopped) is made again, not reused forever; a failed install
+    """A venv left without uv (its creation stopped) is made again, not reused forever; a failed install
     returns 1 to the caller (`source … && …` no longer goes on) and writes no stamp, so the next run retries."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for name in ("scripts/env.sh", "constraints.txt", "pyproject.toml"):
+    for name in ("scripts/env.sh", "pyproject.toml"):
         shutil.copy(ROOT / name, repo / name)
-    (repo / "requirements.txt").write_text("no-such-package-for-this-test==0.0.1\n")
+    fake = "no-such-package-for-this-test==0.0.1 \\\n    --hash=sha256:" + "0" * 64 + "\n"
+    (repo / "requirements.lock").write_text("# a lock\n" + _lock_entry("uv") + fake)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     proc = subprocess.run(["bash", "-c", "source scripts/env.sh && echo READY"], cwd=repo, capture_output=True,
                           text=True, timeout=600, env=clean_env(VIT_VENV=str(venv), PYTHON=sys.executable))
     assert proc.returncode == 1 and "READY" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert f"[env] creating {venv}" in proc.stderr and "no-such-package-for-this-test" in proc.stderr
-    assert subprocess.run([str(venv / "bin/python"), "-m", "pip", "--version"], capture_output=True).returncode == 0
+    assert subprocess.run([str(venv / "bin/uv"), "--version"], capture_output=True).returncode == 0
     assert not (venv / ".installed").exists()
+
+
+def test_the_lock_refuses_a_tampered_hash(tmp_path):
+    """scripts/env.sh syncs with --require-hashes: an artifact whose hash is not the lock's is refused
+    (the wheel is uv's cached copy of a locked package, so the refusal is the hash's, not the index's)."""
+    entry = _lock_entry("zipp")
+    good, bad = tmp_path / "good.lock", tmp_path / "bad.lock"
+    good.write_text(entry)
+    bad.write_text(re.sub(r"sha256:(\w)", lambda m: "sha256:" + ("1" if m.group(1) == "0" else "0"), entry))
+    uv = Path(sys.executable).parent / "uv"
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, tmp_path / "venv"], check=True, timeout=120)
+
+    def sync(lock: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([uv, "pip", "sync", "--python", tmp_path / "venv/bin/python", "--require-hashes", lock],
+                              capture_output=True, text=True, timeout=300, env=clean_env())
+
+    refused = sync(bad)
+    assert refused.returncode != 0 and "hash mismatch" in refused.stderr.lower(), refused.stderr
+    accepted = sync(good)
+    assert accepted.returncode == 0, accepted.stderr
 
 
 def test_ray_head_refuses_a_taken_port_before_starting(stub_ray, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import normalized_name, pinned_requirements
+from tests.conftest import locked_versions, normalized_name, pinned_requirements
 from tests.repo_copy import ROOT, copy_repo_files
 
 HEAVY = ("ray", "mlflow", "dvc", "torch")
@@ -86,55 +86,59 @@ def test_stage_runs_the_stage_module():
     assert proc.returncode == 2 and "stages.shard {pretrain|finetune}" in proc.stderr, proc.stderr
 
 
-# In the lock to build the editable install, not needed at run time (and left out by `pip freeze`).
-BUILD_ONLY = {"setuptools"}
+# Pinned to build and install the environment, not needed at run time (and not declared in pyproject).
+INSTALLERS = {"setuptools", "uv", "pip"}
+LOCKS = {"requirements.lock": ("requirements.txt",),
+         "requirements-test.lock": ("requirements.txt", "requirements-test.txt")}
 
 
-def _lock() -> dict[str, str]:
-    """``{name: version}`` pinned in requirements*.txt (the lock scripts/env.sh installs)."""
+def _pins() -> dict[str, str]:
+    """``{name: version}`` pinned in requirements*.txt (what scripts/lock.sh resolves)."""
     return pinned_requirements("requirements.txt", "requirements-test.txt")
 
 
-def test_declared_dependencies_match_the_lock():
-    """pyproject's lower bounds are the lock's versions (the tested ones), for the same packages."""
+def test_declared_dependencies_match_the_pins():
+    """pyproject's lower bounds are the pinned versions (the tested ones), for the same packages."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {}
     for req in project["dependencies"] + project["optional-dependencies"]["test"]:
         name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?>=(\S+)", req).groups()
         declared[name.lower()] = version
-    lock = _lock()
-    assert declared == {k: v for k, v in lock.items() if k not in BUILD_ONLY}
+    assert declared == {k: v for k, v in _pins().items() if k not in INSTALLERS}
     assert project["requires-python"] == ">=3.11"
 
 
-def _constraints() -> dict[str, str]:
-    pinned = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        if line and not line.startswith("#"):
-            name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line).groups()
-            pinned[normalized_name(name)] = version
-    return pinned
+@pytest.mark.parametrize("lock", LOCKS)
+def test_the_lock_holds_the_pins_hashed(lock):
+    """Each lock pins every direct requirement of its files at exactly the pinned version, and every entry
+    carries a hash (scripts/env.sh installs with --require-hashes): a pin changed without `bash
+    scripts/lock.sh` fails here."""
+    locked = locked_versions(lock)
+    pins = {normalized_name(k): v for k, v in pinned_requirements(*LOCKS[lock]).items()}
+    assert {k: locked.get(k) for k in pins} == {k: {v} for k, v in pins.items()}
+    assert "vit-pipeline" not in locked and len(locked) > len(pins)  # the project itself is installed editable
+    entries = re.split(r"\n(?=[A-Za-z0-9])", (ROOT / lock).read_text().split("\n", 2)[2])
+    assert all("--hash=sha256:" in entry for entry in entries if "==" in entry.split("\n")[0])
 
 
-def test_constraints_hold_the_direct_pins():
-    """constraints.txt (every package of the tested environment, scripts/env.sh's `-c`) pins each direct
-    dependency at the lock's version, so `-r requirements*.txt -c constraints.txt` can be resolved."""
-    pinned = _constraints()
-    lock = {normalized_name(k): v for k, v in _lock().items()}
-    assert {k: pinned.get(k) for k in lock} == lock
-    assert "vit-pipeline" not in pinned and len(pinned) > len(lock)  # the project itself is installed editable
+def test_the_runtime_lock_is_the_test_lock_less_the_test_tools():
+    """requirements.lock is resolved at requirements-test.lock's versions, so the test environment is the
+    pipeline's plus the test tools (scripts/env.sh counts a test env as a runtime one)."""
+    runtime, test = locked_versions("requirements.lock"), locked_versions("requirements-test.lock")
+    assert {k: test.get(k) for k in runtime} == runtime
 
 
 def test_this_environment_is_the_lock():
-    """Every installed package that constraints.txt names is at its version, pip included (scripts/env.sh
-    installs pip from it too): the suite tests the environment a fresh clone builds. Read from
-    site-packages, as pip sees it: once setuptools is imported (torch.compile does), its vendored
-    copies of importlib-metadata, zipp, … are on sys.path too, and they are not installed packages."""
+    """Every installed package that the test lock names is at a version it locks, pip included
+    (scripts/env.sh syncs the venv to the lock): the suite tests the environment a fresh clone builds.
+    Read from site-packages, as pip sees it: once setuptools is imported (torch.compile does), its
+    vendored copies of importlib-metadata, zipp, … are on sys.path too, and they are not installed packages."""
     site = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     installed = {normalized_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=list(site))}
-    pinned = _constraints()
-    assert "pip" in pinned and "pip" in installed
-    assert {k: v for k, v in installed.items() if k in pinned} == {k: pinned[k] for k in installed if k in pinned}
+    locked = locked_versions("requirements-test.lock")
+    assert "pip" in installed and "uv" in installed
+    assert not {k: v for k, v in installed.items() if k in locked and v not in locked[k]}
+    assert set(installed) - set(locked) == {"vit-pipeline"}  # nothing the lock does not name
 
 
 def _site_packages_without_this_project(dst: Path) -> Path:
@@ -187,10 +191,10 @@ def test_wheel_installs_and_predicts(tmp_path):
     (site / "_deps.pth").write_text(f"{deps}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-    # The README's `pip install -r requirements.txt -c constraints.txt .`, offline (--no-index): the wheel's
-    # Requires-Dist, the pins and the constraints must all be met by this (the tested) environment.
-    subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", "-r", ROOT / "requirements.txt", "-c",
-                    ROOT / "constraints.txt", str(wheel)], cwd=tmp_path, env=env, check=True, timeout=300)
+    # `pip install` of the wheel with the pins, offline (--no-index): the wheel's Requires-Dist and the pins
+    # must both be met by this (the tested) environment.
+    subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", "-r", ROOT / "requirements.txt", str(wheel)],
+                   cwd=tmp_path, env=env, check=True, timeout=300)
     # and `pip install '.[test]'`: the extra's tools are declared and met by the tested environment
     subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", f"{wheel}[test]"], cwd=tmp_path, env=env,
                    check=True, timeout=300)

@@ -393,7 +393,7 @@ def test_pipeline_sh_again_runs_nothing_and_its_commands_show_the_results(repro,
     venv = Path(sys.executable).parent.parent
     if not (venv / ".installed").is_file():  # scripts/env.sh would install into this environment
         pytest.skip("runs in the environment scripts/env.sh built (bash scripts/test.sh)")
-    files = ["scripts", "requirements.txt", "requirements-test.txt", "constraints.txt", "pyproject.toml"]
+    files = ["scripts", "requirements.lock", "requirements-test.lock", "pyproject.toml"]
     copy_repo_files(repo, files)
     try:
         for target in ([], ["finetune"]):
