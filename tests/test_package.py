@@ -187,7 +187,7 @@ def test_wheel_installs_and_predicts(tmp_path):
     (site / "_deps.pth").write_text(f"{deps}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-    # The README's `pip install -r requirements.txt -c constraints.txt .`, offline (--no-index): the wheel's
+    # docs/install.md's `pip install -r requirements.txt -c constraints.txt .`, offline (--no-index): the wheel's
     # Requires-Dist, the pins and the constraints must all be met by this (the tested) environment.
     subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", "-r", ROOT / "requirements.txt", "-c",
                     ROOT / "constraints.txt", str(wheel)], cwd=tmp_path, env=env, check=True, timeout=300)
