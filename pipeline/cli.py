@@ -1,5 +1,5 @@
 """Entry-point wrapper for the stages: load params, take the stage's lock, run, and turn known
-errors into one line and an exit code (the README's "When things go wrong" lists them)."""
+errors into one line and an exit code (docs/troubleshooting.md lists them)."""
 from __future__ import annotations
 
 import errno
@@ -94,7 +94,7 @@ def _check_arguments(fn: Callable[..., object], args: tuple[str, ...], label: st
 
 
 def _known_failure(exc: BaseException, stage: str = "") -> tuple[str, int] | None:
-    """The one line and exit code for a problem the README's "When things go wrong" lists, else None."""
+    """The one line and exit code for a problem docs/troubleshooting.md lists, else None."""
     if _out_of_memory(exc):
         return f"error: out of memory: {_smaller_step(str(exc), stage)}", EXIT_FAILED
     if (problem := storage.access_problem(exc)) is not None:

@@ -133,8 +133,8 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, lo
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s: {log.read_text()[-3000:] if log else ''}")
 
 
-# What the GPU-box commands (README "On one GPU": benchmarks/train_throughput.py, time_to_accuracy.py)
-# may import of requirements.txt; the README lists the same. setuptools: torch.compile on a CPU (inductor
+# What the GPU-box commands (docs/gpu.md: benchmarks/train_throughput.py, time_to_accuracy.py)
+# may import of requirements.txt; docs/gpu.md lists the same. setuptools: torch.compile on a CPU (inductor
 # builds C++ through torch.utils.cpp_extension).
 GPU_BOX_REQUIREMENTS = ("torch", "torchvision", "webdataset", "pyyaml", "pillow", "pyarrow", "safetensors",
                         "scikit-learn", "matplotlib", "setuptools")

@@ -246,7 +246,7 @@ def test_override_below_a_value_names_the_key(override, message):
      "dup-section.yaml: model is set twice (lines 1 and 3)"),
 ], ids=["not-utf8", "directory", "duplicate-key", "duplicate-section"])
 def test_unreadable_params_file_is_a_config_error_naming_it(tmp_path, name, content, needle):
-    """README "When things go wrong": a params file that cannot be read as one YAML mapping is exit 2 naming
+    """docs/troubleshooting.md: a params file that cannot be read as one YAML mapping is exit 2 naming
     the file (before: `error: UnicodeDecodeError`, an IsADirectoryError with exit 1, or a silent last-wins)."""
     path = tmp_path / name
     if content is None:
@@ -284,7 +284,7 @@ def test_stage_exits_nonzero_with_message_before_any_work(tmp_path):
                "re-runs the stage that wrote it)\n"),
 ])
 def test_stage_before_its_input_says_what_to_run(tmp_path, stage, line):
-    """README "When things go wrong": a stage run in a checkout where the stage before it never ran."""
+    """docs/troubleshooting.md: a stage run in a checkout where the stage before it never ran."""
     proc = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=tmp_path, capture_output=True, text=True,
                           env={"VIT_PARAMS": str(ROOT / "params.yaml"), "PYTHONPATH": str(ROOT),
                                "PATH": "/usr/bin:/bin"}, timeout=120)

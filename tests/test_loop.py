@@ -176,7 +176,7 @@ def test_train_memory_benchmark_refuses_a_model_it_cannot_build(args, line):
 
 
 def test_train_memory_benchmark_runs_on_cpu():
-    """The README's activation-memory benchmark, shortened: both sides measured and compared."""
+    """docs/training.md's activation-memory benchmark, shortened: both sides measured and compared."""
     proc = run_as_on_gpu_box("benchmarks/train_memory.py", "--preset", "nano", "--patch-size", "4",
                              "--image-size", "32", "--batch", "32", "--classes", "10", "--steps", "1",
                              "--rounds", "1")

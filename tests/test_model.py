@@ -720,7 +720,7 @@ def test_speed_benchmark_refuses_bad_arguments(args, says):
 
 @pytest.mark.slow
 def test_speed_benchmark_against_timm_runs():
-    """``benchmarks/model_speed.py`` (the README's figures against timm), shrunk to the nano case, with
+    """``benchmarks/model_speed.py`` (docs/model.md's comparison with timm), shrunk to the nano case, with
     its noise control and kernel breakdown: both modes timed for ours, timm and the copy, same logits."""
     import re
     import subprocess

@@ -191,7 +191,7 @@ def test_wheel_installs_and_predicts(tmp_path):
     (site / "_deps.pth").write_text(f"{deps}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-    # `pip install` of the wheel with the pins, offline (--no-index): the wheel's Requires-Dist and the pins
+    # docs/install.md's `pip install` of the wheel with the pins, offline (--no-index): the wheel's Requires-Dist and the pins
     # must both be met by this (the tested) environment.
     subprocess.run([py, "-m", "pip", "install", "--no-index", "-q", "-r", ROOT / "requirements.txt", str(wheel)],
                    cwd=tmp_path, env=env, check=True, timeout=300)

@@ -213,7 +213,7 @@ def _queue_start(repo: Path) -> None:
 def _queue_settled(repo: Path, names: list[str], timeout: float = 900, stall: float = 90) -> tuple[str, int]:
     """Poll `dvc queue status` until none of ``names`` is queued or running; returns the last status and
     how often the queue had to be started again. DVC's worker can stop with experiments still queued
-    (treeverse/dvc#10562: CI saw it leave one of two); as README says, `dvc queue start` again then."""
+    (treeverse/dvc#10562: CI saw it leave one of two); as docs/experiments.md says, `dvc queue start` again then."""
     import time
 
     deadline, stalled_since, restarts = time.time() + timeout, None, 0
@@ -239,8 +239,8 @@ QUEUED = {"interp-bilinear": "bilinear", "interp-nearest": "nearest"}  # experim
 
 @pytest.fixture(scope="module")
 def queued(repro, tmp_path_factory):
-    """The README's grid through the queue, two points: one queued with `-S`, the other from a recipe
-    file through the README's pipe (and a bad recipe, which queues nothing); then `dvc queue start`
+    """docs/experiments.md's grid through the queue, two points: one queued with `-S`, the other from a recipe
+    file through its recipe pipe (and a bad recipe, which queues nothing); then `dvc queue start`
     until both settled. Returns `dvc queue status`'s last output and how often the worker was restarted."""
     repo, _ = repro
     tmp_path = tmp_path_factory.mktemp("recipes")
@@ -266,7 +266,7 @@ def queued(repro, tmp_path_factory):
 def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, queued):
     """`dvc exp run --queue` over a 2-point grid + `dvc queue start`: each experiment is its own MLflow
     pipeline run, tagged with its name; the two differ exactly in the swept param; pretrain is reused.
-    The README's comparison commands (`dvc exp show`, `dvc metrics diff`, `dvc plots diff $(dvc exp list
+    docs/experiments.md's comparison commands (`dvc exp show`, `dvc metrics diff`, `dvc plots diff $(dvc exp list
     --name-only)`) show both."""
     from mlflow.tracking import MlflowClient
 
@@ -281,7 +281,7 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, queued):
     assert metrics.returncode == 0, metrics.stderr[-2000:]
     top1 = json.loads(metrics.stdout)["metrics/evaluate.json"]["top1"]
     assert 0 < top1["old"] <= 1 and 0 < top1["new"] <= 1, top1
-    # the README's form: every experiment's plots side by side
+    # docs/experiments.md's form: every experiment's plots side by side
     diff = run(["bash", "-c", "dvc plots diff --json $(dvc exp list --name-only)"], repo, timeout=300)
     assert diff.returncode == 0 and all(n in diff.stdout for n in names), diff.stderr[-2000:]
     drawn = json.loads(diff.stdout)["data"]
@@ -340,7 +340,7 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro, queued):
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 # MLflow 3.17's UI picks its GenAI or model-training navigation from its own switch (or
-                # ?workflowType=), not from the experiment's kind tag: the README's two ways in, each in
+                # ?workflowType=), not from the experiment's kind tag: docs/experiments.md's two ways in, each in
                 # a fresh browser profile.
                 link = browser.new_page()
                 link.goto(f"{url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning")
@@ -504,7 +504,7 @@ def test_predict_cli_good_and_bad_files(repro, tmp_path):
 
 
 def test_registered_model_serves(repro, port_factory):
-    """The README's promotion: an alias on version 1, then `mlflow models serve -m models:/vit-pipeline@champion`
+    """docs/export.md's promotion: an alias on version 1, then `mlflow models serve -m models:/vit-pipeline@champion`
     answers with the fine-tuned model's logits. Its requirements are the named pins, not MLflow's guesses."""
     import time
     import urllib.request
@@ -690,7 +690,7 @@ def test_dvc_exp_run_tta_re_runs_evaluate_only(repro):
 
 def test_a_stage_that_fails_under_dvc_gets_its_outputs_back_from_dvc_checkout(repro):
     """`dvc repro` deletes a stage's outputs before it starts the stage's command, so a stage that fails
-    there leaves none (run by itself it leaves the previous ones); as the README says, `dvc checkout
+    there leaves none (run by itself it leaves the previous ones); as docs/experiments.md says, `dvc checkout
     <stage>` brings its cached outputs back byte for byte (dvc.lock still names them), and the metrics file,
     which git keeps, comes back from git."""
     repo, _ = repro
@@ -713,7 +713,7 @@ def test_a_stage_that_fails_under_dvc_gets_its_outputs_back_from_dvc_checkout(re
 
 
 def test_dvc_remote_push_then_a_fresh_clone_pulls_and_is_up_to_date(repro, s3_server, tmp_path):
-    """The README's DVC remote on the local S3 server: push every out, clone the repo fresh, `dvc pull`,
+    """docs/experiments.md's DVC remote on the local S3 server: push every out, clone the repo fresh, `dvc pull`,
     and `dvc repro` there has nothing to do; the pulled model is byte-identical. Runs last: it commits."""
     repo, _ = repro
     env = clean_env(**s3_server.env)  # credentials from the usual AWS variables

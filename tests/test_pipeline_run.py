@@ -58,7 +58,7 @@ def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypat
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     link = (f"[export] MLflow runs: mlflow ui --backend-store-uri sqlite:///{workdir}/mlflow.db, then "
             f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}?workflowType=machine_learning")
-    assert link in capsys.readouterr().out.splitlines()  # the UI's model-training view (README)
+    assert link in capsys.readouterr().out.splitlines()  # the UI's model-training view (docs/experiments.md)
     (parent,) = parents
     assert parent.info.run_name == "interp-bilinear" and parent.data.tags["dvc.exp_name"] == "interp-bilinear"
     assert client.get_run(ev).data.tags["dvc.exp_name"] == "interp-bilinear"  # stage runs too, to search them by it
@@ -214,7 +214,7 @@ def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, mo
     assert got.description == (f"Pipeline run p8-r48 ({parent.info.run_id}), DVC experiment p8-r48, commit unknown; "
                                f"48 px, patch 8, trained on {device}; test top-1 87.50% on finetune-digits@{manifest}.")
     assert client.get_run(parent.info.run_id).data.tags["registered_model"] == f"models:/vit-pipeline/{version}"
-    (found,) = client.search_model_versions("tags.`dvc.exp_name` = 'p8-r48'")  # the README's search
+    (found,) = client.search_model_versions("tags.`dvc.exp_name` = 'p8-r48'")  # docs/export.md's search
     assert found.version == got.version
 
     with stage_run("evaluate", params, tags=model_run_tag(meta)):  # evaluated again, now with evaluate.tta

@@ -212,7 +212,7 @@ def test_deep_images_are_the_pixels_training_decodes(export_dir, tmp_path, capsy
 
 def test_the_class_named_is_evaluate_s_argmax_of_the_logits(export_dir):
     """Two logits that differ can have the same float32 softmax; predict took the first largest probability,
-    evaluate (and the README's rule) the argmax of the logits: the same image got two classes."""
+    evaluate (and docs/export.md's rule) the argmax of the logits: the same image got two classes."""
     from pipeline.metrics import predicted_class
     from pipeline.predict import Predictor
 

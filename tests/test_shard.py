@@ -646,7 +646,7 @@ def test_pixel_stats_are_the_train_split_stats(tmp_path):
 
 
 def test_shard_benchmark_runs_on_a_small_imagefolder(tmp_path):
-    """``benchmarks/shard_speed.py`` (the README's sharding figure), shrunk: an ImageFolder given as ``--data``
+    """``benchmarks/shard_speed.py`` (docs/data.md's sharding benchmark), shrunk: an ImageFolder given as ``--data``
     (so no CIFAR-10 tarball is extracted) sharded by the stage's code, the rate and peak RSS printed."""
     import re
 
