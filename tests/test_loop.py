@@ -129,6 +129,25 @@ def test_mix_prob_mixes_that_share_of_the_batches_with_one_shape_of_targets():
     assert all(not torch.equal(every(x, y)[0], x) for _ in range(20))
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_the_step_s_loss_is_soft_cross_entropy(label_smoothing):
+    """The step's loss is torch's cross-entropy on the mixer's soft targets, smoothing included: the
+    same values as written out (smoothed targets times the negative log-softmax), and for one-hot targets
+    the same as integer labels."""
+    import torch.nn.functional as F
+
+    from pipeline.train.techniques import batch_mixer
+    torch.manual_seed(0)
+    logits, y = torch.randn(64, 10) * 3, torch.arange(64) % 10
+    _, soft = batch_mixer(0.8, 1.0, 10)(torch.rand(64, 3, 8, 8), y)
+    smoothed = soft * (1 - label_smoothing) + label_smoothing / 10
+    by_hand = torch.sum(-smoothed * F.log_softmax(logits, dim=-1), dim=-1).mean()
+    assert abs(F.cross_entropy(logits, soft, label_smoothing=label_smoothing) - by_hand) < 2e-6
+    one_hot = F.one_hot(y, 10).float()
+    torch.testing.assert_close(F.cross_entropy(logits, one_hot, label_smoothing=label_smoothing),
+                               F.cross_entropy(logits, y, label_smoothing=label_smoothing))
+
+
 def test_accumulated_step_equals_one_big_step():
     """``max_worker_batch`` splits the batch into micro-batches: same gradients as the whole batch."""
     x, y = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(2)), torch.arange(8) % 10

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.config import CUDAGRAPH_MODES
 from pipeline.train.checkpoint import unwrap
 from pipeline.train.graphs import CapturedStep
 from pipeline.train.loop_config import LoopConfig
 from pipeline.train.optim import accumulation, build_optimizer
-from pipeline.train.techniques import amp_dtype, autocast, batch_mixer, make_ema, soft_cross_entropy
+from pipeline.train.techniques import amp_dtype, autocast, batch_mixer, make_ema
 
 
 class Stepper:
@@ -76,7 +77,8 @@ class Stepper:
             sync = self.model.no_sync() if (not last and hasattr(self.model, "no_sync")) else torch.enable_grad()
             with sync, autocast(self.device, self.dtype, cache=self.captured is None):
                 logits = self.forward(images[sl]).float()
-                loss = soft_cross_entropy(logits, targets[sl], self.cfg.label_smoothing)
+                # integer or soft (mixed) targets, label smoothing applied to both alike
+                loss = F.cross_entropy(logits, targets[sl], label_smoothing=self.cfg.label_smoothing)
             self.scaler.scale(loss / self.accum).backward()
             loss_sum += loss.detach() * logits.shape[0]
             correct += (logits.detach().argmax(-1) == labels[sl]).sum()

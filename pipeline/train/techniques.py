@@ -1,5 +1,5 @@
-"""Training techniques that wrap the plain loop: batch mixing (MixUp / CutMix), soft cross-entropy, EMA of
-the weights, mixed precision. (Named apart from ``pipeline/recipes.py``, which expands recipe files.)"""
+"""Training techniques that wrap the plain loop: batch mixing (MixUp / CutMix), EMA of the weights,
+mixed precision. (Named apart from ``pipeline/recipes.py``, which expands recipe files.)"""
 from __future__ import annotations
 
 import contextlib
@@ -39,15 +39,6 @@ class _SomeBatches:
         if torch.rand(()).item() < self.prob:
             return self.mix(images, labels)
         return images, F.one_hot(labels, self.num_classes).float()
-
-
-def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """Cross-entropy for integer or soft (mixed) targets, with label smoothing in both cases."""
-    if target.ndim == 1:
-        return F.cross_entropy(logits, target, label_smoothing=label_smoothing)
-    n = logits.shape[-1]
-    target = target * (1.0 - label_smoothing) + label_smoothing / n
-    return torch.sum(-target * F.log_softmax(logits, dim=-1), dim=-1).mean()
 
 
 EMA_WARMUP_POWER = 2 / 3  # timm ModelEmaV3's default: decay 0.9 after ~30 updates, 0.99 after ~1,000
