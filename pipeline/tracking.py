@@ -173,6 +173,7 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
     """
     import mlflow
     from mlflow.tracking import MlflowClient
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
     uri = configured_uri()
     check_tracking_uri(uri)
@@ -195,16 +196,15 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
         with held_signals() as pending:  # a stop between the two runs' starts would leave the parent RUNNING
             parent = pipeline_run.find_or_create(client, experiment.experiment_id, pid, params,
                                                  {**base_tags, **pipeline_run.experiment_name_tag()}, start_ms)
-            all_tags["mlflow.parentRunId"] = parent
-            ctx, resumed = _start_stage_run(client, experiment.experiment_id, run_name, all_tags, resume_key,
-                                            system_metrics)
+            ctx, resumed = _start_stage_run(client, experiment.experiment_id, run_name, all_tags, parent,
+                                            resume_key, system_metrics)
         with ctx as run:
             run_id = run.info.run_id
             try:
                 if pending:
                     raise StageInterrupted(pending[-1])
-                if resumed:
-                    mlflow.set_tags(all_tags)
+                if resumed:  # under this `dvc repro`'s pipeline run: start_run moves no existing run
+                    mlflow.set_tags({**all_tags, MLFLOW_PARENT_RUN_ID: parent})
                 mlflow.log_params(stage_params(stage, params, extra_params))
                 mlflow.log_text(listing, environment.ARTIFACT)
                 pipeline_run.log_datasets(client, [run_id, parent], stage)
@@ -219,11 +219,12 @@ def stage_run(stage: str, params: Params, *, extra_params: dict[str, Any] | None
             _finish_parent(client, experiment.experiment_id, parent, pid, stage, run_id, start_ms, status)
 
 
-def _start_stage_run(client, experiment_id: str, run_name: str, tags: dict[str, str], resume_key: str | None,
-                     system_metrics: bool):
+def _start_stage_run(client, experiment_id: str, run_name: str, tags: dict[str, str], parent: str,
+                     resume_key: str | None, system_metrics: bool):
     """The stage's active MLflow run, and whether it is one a re-launch resumes: the newest run of the same
     Ray run (``resume_key``) that did not finish. One that finished belongs to its own pipeline run and stays
-    there; a new run names it (``ray.previous_mlflow_run``: a re-run that trains nothing has its curves)."""
+    there; a new run names it (``ray.previous_mlflow_run``: a re-run that trains nothing has its curves).
+    A new run starts under ``parent``, the pipeline run of this `dvc repro`."""
     import mlflow
 
     if resume_key:
@@ -233,7 +234,8 @@ def _start_stage_run(client, experiment_id: str, run_name: str, tags: dict[str, 
             return mlflow.start_run(run_id=found[0].info.run_id, log_system_metrics=system_metrics), True
         if found:
             tags = {**tags, pipeline_run.PREVIOUS_RUN_TAG: pipeline_run.trainer_of(found[0])}
-    return mlflow.start_run(run_name=run_name, tags=tags, log_system_metrics=system_metrics), False
+    return mlflow.start_run(run_name=run_name, tags=tags, parent_run_id=parent,
+                            log_system_metrics=system_metrics), False
 
 
 def _finish_parent(client, experiment_id: str, parent: str, pid: str, stage: str, run_id: str | None,
