@@ -210,10 +210,11 @@ def upload_dir(local: str | os.PathLike, url: str, *, delete: bool = True) -> li
         _local_target(url, "push", "push mirrors the folder, deleting what it lacks: name a folder below it, "
                       "or pass --keep", spare)
     rels = [r for r in _local_files(local) if not any(part.startswith(".") for part in Path(r).parts)]
-    for rel in rels:
-        if not is_url(url):  # a shared folder: object stores need no parent folders, a file system does
+    if not is_url(url):  # a shared folder: object stores need no parent folders, a file system does
+        for rel in rels:
             Path(root, rel).parent.mkdir(parents=True, exist_ok=True)
-        fs.put_file(str(local / rel), f"{root.rstrip('/')}/{rel}")
+    if rels:  # one call: s3fs uploads the files concurrently
+        fs.put([str(local / rel) for rel in rels], [f"{root.rstrip('/')}/{rel}" for rel in rels])
     if delete:
         keep = {f"{root.rstrip('/')}/{r}" for r in rels}
         stale = [p for p in _find(fs, root) if p not in keep]
@@ -282,10 +283,10 @@ def download_dir(url: str, local: str | os.PathLike, *, missing_ok: bool = False
     tmp.mkdir()
     prefix = root.rstrip("/") + "/"
     try:
-        for obj in objects:
-            target = tmp / obj[len(prefix):]
+        targets = [tmp / obj[len(prefix):] for obj in objects]
+        for target in targets:
             target.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(obj, str(target))
+        fs.get(objects, [str(t) for t in targets])  # one call: s3fs downloads the files concurrently
         apply_umask(tmp)
         staged.publish()
     finally:
