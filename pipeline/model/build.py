@@ -2,15 +2,25 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .config import PRESETS, ViTConfig
 from .vit import VisionTransformer
 
-if TYPE_CHECKING:  # the params section; the model package itself does not depend on pipeline.config
-    from pipeline.config import ModelConfig
-
 __all__ = ["build_model", "build_vit", "make_config", "section_config"]
+
+
+class ModelSection(Protocol):
+    """What the model package reads of params.yaml's ``model`` section (``pipeline.config.ModelConfig``),
+    named here so that the model package depends on nothing above it."""
+
+    preset: str
+    patch_size: int
+    pool: str
+    drop_path_rate: float
+    weight_init: str
+
+    def overrides(self) -> dict[str, Any]: ...
 
 
 def make_config(
@@ -42,7 +52,7 @@ def build_vit(preset: str, *, weight_init: str = "timm", **kwargs) -> VisionTran
     return VisionTransformer(make_config(preset, **kwargs), weight_init=weight_init)
 
 
-def section_config(model: "ModelConfig", *, image_size, num_classes: int, patch_size=None) -> ViTConfig:
+def section_config(model: ModelSection, *, image_size, num_classes: int, patch_size=None) -> ViTConfig:
     """params.yaml's ``model`` section at one geometry (``patch_size``: ``model.patch_size`` if None).
 
     The one place the section becomes a :class:`ViTConfig` (the stages and benchmarks build from it,
@@ -53,7 +63,7 @@ def section_config(model: "ModelConfig", *, image_size, num_classes: int, patch_
                        **model.overrides())
 
 
-def build_model(model: "ModelConfig", *, image_size, num_classes: int, patch_size=None) -> VisionTransformer:
+def build_model(model: ModelSection, *, image_size, num_classes: int, patch_size=None) -> VisionTransformer:
     """The network of :func:`section_config`, its weights drawn as ``model.weight_init`` says."""
     return VisionTransformer(section_config(model, image_size=image_size, num_classes=num_classes,
                                             patch_size=patch_size), weight_init=model.weight_init)
