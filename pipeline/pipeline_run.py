@@ -11,6 +11,7 @@ output, whether DVC skipped them before or after the stage that ran.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -20,19 +21,42 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import TRAINING_STAGES, Params, flatten
-from pipeline.utils import MODELS, PRETRAINED, metrics_path, trained_by
+from pipeline.utils import MODELS, PRETRAINED, SHARDS, metrics_path, trained_by
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's "model training" experiment type (not GenAI)
 EXP_NAME_ENV = "DVC_EXP_NAME"  # set by DVC for `dvc exp run` (also for queued experiments)
-STAGES = ("pretrain", "finetune", "evaluate", "export")
 # On a re-run of a finished training run (it trains nothing, publishes the same weights): the run that trained.
 PREVIOUS_RUN_TAG = "ray.previous_mlflow_run"
-# Which stages read a stage's model (dvc.yaml's graph): their files are older than a model trained since.
-DOWNSTREAM = {"pretrain": ("finetune", "evaluate", "export"), "finetune": ("evaluate", "export")}
-# The shards each stage reads, as (dataset, [splits]); a split's context is its MLflow input context.
-STAGE_DATA = {"pretrain": ("pretrain", ["train", "val"]), "finetune": ("finetune", ["train", "val"]),
-              "evaluate": ("finetune", ["test"]), "export": ("finetune", ["test"])}
+DVC_YAML = Path(__file__).resolve().parents[1] / "dvc.yaml"
+
+
+@functools.cache
+def _dvc_stages() -> dict[str, dict]:
+    """dvc.yaml's stages that log a run, in its order (the shard stage, a ``foreach``, logs none)."""
+    import yaml
+
+    stages = yaml.safe_load(DVC_YAML.read_text())["stages"]
+    return {name: stage for name, stage in stages.items() if "foreach" not in stage}
+
+
+def stage_names() -> tuple[str, ...]:
+    return tuple(_dvc_stages())
+
+
+def downstream(stage: str) -> set[str]:
+    """The stages that read ``stage``'s model, directly or through another (dvc.yaml's deps): their files
+    are older than a model trained since."""
+    readers = {s for s, spec in _dvc_stages().items() if str(MODELS / stage) in spec["deps"]}
+    return readers.union(*(downstream(s) for s in readers))
+
+
+def stage_data(stage: str) -> tuple[str, list[str]] | None:
+    """The shards ``stage`` reads (its ``data/shards/<name>`` dep), as (dataset, [splits]): a training stage
+    reads train and val, the others test. A split's context is its MLflow input context."""
+    deps = _dvc_stages().get(stage, {}).get("deps", [])
+    names = [d.split("/")[-1] for d in deps if str(Path(d).parent) == str(SHARDS)]
+    return (names[0], ["train", "val"] if stage in TRAINING_STAGES else ["test"]) if names else None
 
 
 _IMPORTED_MS = int(time.time() * 1000)
@@ -133,14 +157,15 @@ def find_or_create(client, experiment_id: str, pid: str, params: Params, tags: d
 
 def shard_datasets(stage: str) -> list[tuple[Any, str]]:
     """``[(mlflow Dataset, context), ...]`` for the shards ``stage`` reads (empty if none are there)."""
-    if stage not in STAGE_DATA:
+    reads = stage_data(stage)
+    if reads is None:
         return []
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
     from pipeline.data import read_dataset_info
 
-    name, splits = STAGE_DATA[stage]
+    name, splits = reads
     shard_dir = storage.shard_dir(name)
     try:
         info = read_dataset_info(shard_dir)
@@ -313,8 +338,9 @@ def backfill_skipped(client, experiment_id: str, parent: str, pid: str, finished
     ran = {finished} | {r.data.tags.get("stage") for r in runs}
     # a re-run of a finished training run published the same model again
     trained = {r.data.tags.get("stage") for r in runs if trainer_of(r) == r.info.run_id}
-    stale = {s for r in trained for s in DOWNSTREAM.get(r, ())}
-    stages = STAGES[:STAGES.index(finished)] if failed and finished in STAGES else STAGES
+    stale = {s for r in trained for s in downstream(r)}
+    stages = stage_names()
+    stages = stages[:stages.index(finished)] if failed and finished in stages else stages
     for stage in stages:
         results = {} if stage in ran or stage in stale else stage_results(stage)
         if not results:

@@ -256,7 +256,7 @@ def _finish_parent(client, experiment_id: str, parent: str, pid: str, stage: str
 def stage_params(stage: str, params: Params, extra_params: dict[str, Any] | None = None) -> dict[str, str]:
     """The params a stage's MLflow run logs: the model section, the stage's own section, the data section
     of the shards it reads and ``extra_params``."""
-    reads = pipeline_run.STAGE_DATA.get(stage)
+    reads = pipeline_run.stage_data(stage)
     data = pipeline_run.data_params(params, reads[0]) if reads else {}
     logged = {**flatten(params.model, "model"), **flatten(getattr(params, stage, {}), stage), **data,
               **(extra_params or {})}

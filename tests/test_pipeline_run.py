@@ -320,20 +320,18 @@ def test_stages_dvc_skips_after_the_one_that_runs_are_filled_in_with_their_shard
                       ("finetune-digits-val", "val")]  # finetune's reused shards, evaluate's and export's once
 
 
-def test_downstream_is_dvc_yaml_s_graph():
-    """pipeline_run.DOWNSTREAM: every stage that reads a stage's model, directly or through another."""
-    import yaml
+def test_the_stage_graph_is_read_from_dvc_yaml():
+    """The stages that log runs, which read a stage's model (directly or through another) and which shards
+    each reads, all come from dvc.yaml."""
+    from pipeline.pipeline_run import downstream, stage_data, stage_names
 
-    from pipeline.pipeline_run import DOWNSTREAM, STAGES
-
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    deps = {s: stages[s]["deps"] for s in STAGES}
-
-    def readers(stage: str) -> set[str]:
-        direct = {s for s in STAGES if f"models/{stage}" in deps[s]}
-        return direct.union(*(readers(s) for s in direct))
-
-    assert {s: set(DOWNSTREAM.get(s, ())) for s in STAGES} == {s: readers(s) for s in STAGES}
+    assert stage_names() == ("pretrain", "finetune", "evaluate", "export")
+    assert {s: downstream(s) for s in stage_names()} == {
+        "pretrain": {"finetune", "evaluate", "export"}, "finetune": {"evaluate", "export"},
+        "evaluate": set(), "export": set()}
+    assert {s: stage_data(s) for s in stage_names()} == {
+        "pretrain": ("pretrain", ["train", "val"]), "finetune": ("finetune", ["train", "val"]),
+        "evaluate": ("finetune", ["test"]), "export": ("finetune", ["test"])}
 
 
 def test_stages_reading_a_model_trained_since_are_not_filled_in(workdir):
