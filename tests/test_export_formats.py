@@ -1,10 +1,11 @@
 """The export stage's files for a subset of `export.formats`: predict works from each such export; its
-parity check fails an export that differs from the model."""
+parity check fails an export that differs from the model; predict names the model's own class."""
 from __future__ import annotations
 
 import copy
 import io
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -115,3 +116,19 @@ def test_parity_check_fails_an_export_that_differs_from_the_model(fitted, fmt):
                                                   f"(limit {cfg.max_abs_diff:g}), top-1 agreement 1.000 "
                                                   f"(limit {cfg.min_top1_agreement:g})")
 
+
+def _predicted_classes(out: str) -> dict[Path, str]:
+    """predict's output: each image's path and the class it names (``path<TAB>class<TAB>probability``)."""
+    rows = [line.rsplit("\t", 2) for line in out.splitlines()]
+    return {Path(path): name for path, name, _ in rows}
+
+
+@pytest.mark.parametrize("fmt", list(predict.MODEL_FILES))
+def test_predict_names_the_class_of_the_model_s_argmax(fitted, capsys, fmt):
+    """Each image's class from each format is the PyTorch model's argmax on the image as evaluation
+    preprocesses it; the images' argmaxes differ, so a wrong class, index or order shows."""
+    assert predict.main([str(fitted.files[0].parent), "--model", str(fitted.out), "--format", fmt,
+                         "--batch-size", "4"]) == 0
+    expected = {f: EXTRA["classes"][i] for f, i in zip(fitted.files, fitted.reference.argmax(1).tolist())}
+    assert len(set(expected.values())) == 3
+    assert _predicted_classes(capsys.readouterr().out) == expected
