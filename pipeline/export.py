@@ -104,10 +104,9 @@ def log_and_register(model: VisionTransformer, images: torch.Tensor, logits: tor
     return {"name": name, "version": version, "uri": f"models:/{name}/{version}"}
 
 
-def _export_and_compare(fmt: str, model: VisionTransformer, images: torch.Tensor, reference: torch.Tensor,
-                        out_dir: Path, opset: int, extra: dict) -> dict[str, float]:
-    """Write one format into ``out_dir``, load it back as ``vit-pipeline predict`` does and compare its
-    logits with PyTorch's: the check covers the loaders serving uses."""
+def _write(fmt: str, model: VisionTransformer, images: torch.Tensor, out_dir: Path, opset: int,
+           extra: dict) -> Path:
+    """Write one format into ``out_dir``; its file."""
     path = out_dir / MODEL_FILES[fmt]
     with torch.no_grad():
         if fmt == "safetensors":
@@ -116,8 +115,14 @@ def _export_and_compare(fmt: str, model: VisionTransformer, images: torch.Tensor
             export_torchscript(model, images, path)
     if fmt == "onnx":
         export_onnx(model, images, path, opset)
-    with torch.no_grad():
-        return _compare(reference, RUNNERS[fmt](path)(images))
+    return path
+
+
+@torch.no_grad()
+def compare_export(fmt: str, path: Path, images: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    """The export at ``path`` loaded as ``vit-pipeline predict`` does, its logits on ``images`` compared
+    with ``reference``, PyTorch's: the check covers the loaders serving uses."""
+    return _compare(reference, RUNNERS[fmt](path)(images))
 
 
 def export_formats(model: VisionTransformer, images: torch.Tensor, reference: torch.Tensor, out_dir: Path,
@@ -125,7 +130,16 @@ def export_formats(model: VisionTransformer, images: torch.Tensor, reference: to
     """config.json, then each of ``formats`` written, reloaded and compared with PyTorch. config.json
     whatever the formats: predict reads the classes and preprocessing from it."""
     save_config(model, out_dir, extra)
-    return {fmt: _export_and_compare(fmt, model, images, reference, out_dir, opset, extra) for fmt in formats}
+    return {fmt: compare_export(fmt, _write(fmt, model, images, out_dir, opset, extra), images, reference)
+            for fmt in formats}
+
+
+def parity_failure(results: dict[str, dict[str, float]], cfg: ExportConfig) -> str | None:
+    """The stage's error when a format's parity is outside the limits (each such format named); else None."""
+    failed = [f"{fmt}: max |diff| {r['max_abs_diff']:.2e} (limit {cfg.max_abs_diff:g}), "
+              f"top-1 agreement {r['top1_agreement']:.3f} (limit {cfg.min_top1_agreement:g})"
+              for fmt, r in results.items() if not within_limits(r, cfg)]
+    return "export parity check failed: " + "; ".join(failed) if failed else None
 
 
 def export(params: Params) -> dict:
@@ -147,13 +161,11 @@ def export(params: Params) -> dict:
         tmp = out[EXPORTS]
         tmp.mkdir()
         results = export_formats(model, images, reference, tmp, cfg.formats, cfg.opset, extra)
-        failed = [f"{fmt}: max |diff| {r['max_abs_diff']:.2e} (limit {cfg.max_abs_diff:g}), "
-                  f"top-1 agreement {r['top1_agreement']:.3f} (limit {cfg.min_top1_agreement:g})"
-                  for fmt, r in results.items() if not within_limits(r, cfg)]
-        report = {"num_images": len(images), "formats": results, "passed": not failed}
+        failure = parity_failure(results, cfg)
+        report = {"num_images": len(images), "formats": results, "passed": failure is None}
         mlflow.log_metrics(pipeline_run.result_metrics("export", report))  # the pipeline run's names
-        if failed:
-            raise ValueError("export parity check failed: " + "; ".join(failed))
+        if failure:
+            raise ValueError(failure)
         # the files a version's users fetch (predict --model models:/…) are in its run before it is registered
         mlflow.log_artifacts(str(tmp), artifact_path=EXPORT_ARTIFACTS)
         report["registered_model"] = log_and_register(model, images, reference, cfg.registered_model_name,

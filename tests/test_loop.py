@@ -692,6 +692,45 @@ def test_checkpoint_every_steps_holds_at_epoch_ends(digits_dir, tmp_path):
                                                                               (12, 4, 0)]
 
 
+def stop_before(step: int, ctx, at: str) -> None:
+    """A step hook: the launch stops before step ``at`` (as a lost worker or a SIGTERM stops it)."""
+    if step == int(at):
+        raise RuntimeError(f"stopped before step {at}")
+
+
+def test_a_launch_resumed_mid_epoch_ends_with_the_weights_of_the_whole_run(digits_dir, tmp_path, capsys):
+    """Stopped 2 batches into its second epoch, after a step checkpoint there, and launched again from it,
+    a run trains that epoch's batches 2 and 3 (not 0 and 1 again, nor the whole epoch) and ends with the
+    weights and the epoch's loss of the run that never stopped."""
+    from pipeline.train.checkpoint import load_state
+    from pipeline.train.context import LocalContext, list_checkpoints
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import run_loop
+
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), epochs=2, checkpoint_every_steps=2),
+                              shard_dir=str(digits_dir), steps_per_epoch=4)
+
+    def train(run_dir, hooks=(), resume_from=None) -> list[dict]:
+        run_loop(cfg, LoopRun(init_state=model.state_dict(), step_hooks=hooks),
+                 LocalContext(str(run_dir), use_gpu=False, keep=10, resume_from=resume_from))
+        return [load_state(run_dir / name) for name in list_checkpoints(str(run_dir))]
+
+    whole = train(tmp_path / "whole")[-1]
+    with pytest.raises(RuntimeError, match="stopped before step 6"):
+        train(tmp_path / "stopped", hooks=("tests.test_loop:stop_before=6",))
+    last = tmp_path / "stopped" / list_checkpoints(str(tmp_path / "stopped"))[-1]
+    stopped = load_state(last)
+    assert (stopped["epoch"], stopped["batch_in_epoch"], stopped["step"]) == (1, 2, 6)
+    capsys.readouterr()
+    resumed = train(tmp_path / "resumed", resume_from=str(last))[-1]
+    assert "resumed from checkpoint: epoch 1, batch 2, step 6" in capsys.readouterr().out
+    assert (resumed["epoch"], resumed["step"]) == (whole["epoch"], whole["step"]) == (2, 8)
+    for k, v in whole["model"].items():
+        assert torch.equal(resumed["model"][k], v), k
+    assert resumed["history"][-1]["train_loss"] == pytest.approx(whole["history"][-1]["train_loss"])
+
+
 @pytest.mark.slow
 def test_a_launch_resumed_mid_epoch_keeps_the_time_before_its_checkpoint(digits_dir, tmp_path):
     """``wall_time_s`` (and with it the thresholds' times and a budget's spent time) counts the steps
