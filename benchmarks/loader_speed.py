@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import CIFAR_TGZ, add_extract_options, extract_cifar  # noqa: E402
+from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
 from pipeline.data.loader import _collate  # noqa: E402
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--image-size", type=positive_int, default=32)
     ap.add_argument("--batches", type=positive_int, default=60)
     ap.add_argument("--rounds", type=positive_int, default=3)
+    add_record_option(ap)
     args = ap.parse_args()
     train = ensure_data(args.data, args.shards, args.cifar_tarball)
     raw_shards = args.shards.with_name(args.shards.name + "-raw")
@@ -123,6 +125,11 @@ def main() -> None:
               f"{cpu['webdataset'] / cpu[base]:.2f}x cpu  (target >= 2x vs imagefolder)")
     print(f"encoding: raw vs source  : {wall['webdataset-raw'] / wall['webdataset']:.2f}x wall   "
           f"{cpu['webdataset-raw'] / cpu['webdataset']:.2f}x cpu")
+    if args.record:
+        record_and_say("loader_speed", {**{f"{k.replace('-', '_')}_img_s": round(v) for k, v in wall.items()},
+                                        **{f"{k.replace('-', '_')}_img_per_cpu_s": round(v) for k, v in cpu.items()},
+                                        "load_avg": round(os.getloadavg()[0], 2)},
+                       command=command_line(__file__), case=f"batch {args.batch_size}, {args.workers} workers")
 
 if __name__ == "__main__":
     try:

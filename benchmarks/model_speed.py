@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
 from pipeline.model import build_vit  # noqa: E402
 from pipeline.utils import positive_int, seconds  # noqa: E402
 
@@ -157,6 +158,7 @@ def main() -> None:
     ap.add_argument("--cases", default="nano,tiny", help="comma-separated presets from CASES")
     ap.add_argument("--rounds", type=positive_int, default=None, help="timed train rounds per case (infer: 2x); "
                     "default: CASES' figure. More rounds narrow the median on a noisy machine")
+    add_record_option(ap)
     args = ap.parse_args()
     unknown = sorted(set(args.cases.split(",")) - {case[0] for case in CASES})
     if unknown:
@@ -214,6 +216,16 @@ def main() -> None:
         for case, mode, p in parts:
             print_breakdown(case, mode, p)
         print("timm / (matmul+attention): the ratio a model would reach if everything but these kernels cost nothing")
+    if args.record:
+        for case in dict.fromkeys(case for case, *_ in rows):  # one record per case, both modes
+            got = {"threads": args.threads, "clock": args.clock}
+            for _, mode, res, _ in (r for r in rows if r[0] == case):
+                got |= {f"{mode}_img_s": round(res["ours"]["img_s"], 1),
+                        f"{mode}_timm_img_s": round(res["timm"]["img_s"], 1),
+                        f"{mode}_ratio_vs_timm": round(res["ours"]["ratio_vs_timm"], 3),
+                        **{f"{mode}_{k}_ratio_vs_timm": round(v["ratio_vs_timm"], 3)
+                           for k, v in res.items() if k not in ("ours", "timm")}}
+            record_and_say("model_speed", got, command=command_line(__file__), case=case)
 
 
 if __name__ == "__main__":

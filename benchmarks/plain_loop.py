@@ -31,6 +31,7 @@ from torchvision.transforms import v2
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
 from pipeline.config import ConfigError, TrainConfig  # noqa: E402
 from pipeline.data.transforms import AUTO_AUGMENT_TRANSFORMS  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
@@ -115,7 +116,8 @@ def image_folder(root: Path, transform: v2.Compose) -> datasets.ImageFolder:
                           "test/<class>/ images)") from None
 
 
-def train(cfg: TrainConfig, params, folder: Path, workers: int, device: torch.device) -> float:
+def train(cfg: TrainConfig, params, folder: Path, workers: int, device: torch.device) -> tuple[float, float]:
+    """(test top-1, seconds of training and testing)."""
     train_tf, test_tf = transforms(cfg, check_supported(cfg))
     torch.manual_seed(cfg.seed)
     train_set, test_set = image_folder(folder / "train", train_tf), image_folder(folder / "test", test_tf)
@@ -147,10 +149,9 @@ def train(cfg: TrainConfig, params, folder: Path, workers: int, device: torch.de
         seen, elapsed = len(loader) * cfg.global_batch_size, time.perf_counter() - start
         print(f"[plain] epoch {epoch}/{cfg.epochs} loss {loss_sum.item() / seen:.4f} "
               f"top1 {correct.item() / seen:.4f} | {elapsed:.1f}s, {epoch * seen / elapsed:.0f} img/s", flush=True)
-    top1 = test_top1(model, test_set, device, workers)
-    print(f"[plain] test top-1 {top1:.4f} ({len(test_set)} images), {time.perf_counter() - start:.1f} s training "
-          f"on {device.type}")
-    return top1
+    top1, elapsed = test_top1(model, test_set, device, workers), time.perf_counter() - start
+    print(f"[plain] test top-1 {top1:.4f} ({len(test_set)} images), {elapsed:.1f} s training on {device.type}")
+    return top1, elapsed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="DataLoader workers (default 1)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
                     help="default: cuda when there is a GPU")
+    add_record_option(ap)
     args = ap.parse_args(argv)
     try:
         params = load_recipe_params(args.params, args.recipe, args.set)
@@ -172,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         for split in ("train", "test"):
             if not (args.imagefolder / split).is_dir():
                 raise ConfigError(f"{args.imagefolder / split}: no such folder (--imagefolder needs train/ and test/)")
-        train(params.pretrain, params, args.imagefolder, args.workers, torch.device(args.device))
-    except ConfigError as exc:
+        top1, elapsed = train(params.pretrain, params, args.imagefolder, args.workers, torch.device(args.device))
+        if args.record:
+            record_and_say("plain_loop", {"test_top1": top1, "training_s": round(elapsed, 1)},
+                           command=command_line(__file__, argv), case=args.recipe or "params.yaml")
+    except (ConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

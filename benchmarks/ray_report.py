@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
 from pipeline.cluster import REPORT_POLL_VAR, init_ray  # noqa: E402
 from pipeline.config import RayConfig  # noqa: E402
 from pipeline.utils import positive_int, seconds  # noqa: E402
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--workers", type=positive_int, default=2)
     ap.add_argument("--reports", type=positive_int, default=10)
     ap.add_argument("--gap", type=seconds, default=1.0, help="seconds of 'training' between reports")
+    add_record_option(ap)
     args = ap.parse_args()
     from ray.train.v2._internal.constants import DEFAULT_HEALTH_CHECK_INTERVAL_S
 
@@ -85,6 +87,12 @@ def main() -> None:
     for name, m in rows:
         print(f"  poll interval {name:24s}: median {m['median_report_s']:.3f} s, max {m['max_report_s']:.3f} s "
               f"(ranks saw {m['poll_interval_s']:g} s)")
+    if args.record:
+        (_, default_run), (_, stages_run) = rows
+        record_and_say("ray_report", {f"{which}_{k}": run[k] for which, run in (("default", default_run),
+                                                                                ("stages", stages_run))
+                                      for k in ("poll_interval_s", "median_report_s", "max_report_s")},
+                       command=command_line(__file__), case=f"{args.workers} ranks, {args.gap:g} s apart")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import add_extract_options, extract_cifar  # noqa: E402
+from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
 from pipeline.config import DataConfig  # noqa: E402
 from pipeline.data import shard_dataset  # noqa: E402
 from pipeline.utils import positive_int  # noqa: E402
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/cifar10-shard-bench"))
     ap.add_argument("--source", default="imagefolder", choices=["imagefolder", "fractals"])
     ap.add_argument("--maxcount", type=positive_int, default=5000)
+    add_record_option(ap)
     args = ap.parse_args()
     if args.source == "imagefolder":
         extract_cifar(args.data, args.cifar_tarball)
@@ -55,6 +57,10 @@ def main() -> None:
           f"(load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus)")
     print(f"peak RSS {rss_mb():.0f} MB (after imports {base:.0f} MB; sharding adds {rss_mb() - base:.0f} MB)")
     print("target: >= 2000 img/s")
+    if args.record:
+        record_and_say("shard_speed", {"images": n, "img_s": round(n / wall), "img_per_cpu_s": round(n / cpu),
+                                       "peak_rss_mb": round(rss_mb()), "rss_after_imports_mb": round(base)},
+                       command=command_line(__file__), case=args.source)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ data, initial weights and training code), so the same command run again, on the 
 not retrain a finished one. ``--max-minutes`` stops at the first epoch-end checkpoint past the budget
 (every ``checkpoint_every_epochs`` epochs) with exit code 75: run the same command again to continue.
 
+A finished run appends its figures to ``benchmarks/results/time_to_accuracy.jsonl`` (``--no-record``: not;
+``VIT_RESULTS_DIR=$OUT/results`` on a GPU box brings the record back with the run's other files).
+
 A recipe whose training diverges (loss and weights no longer finite) stops there, exit 2, one line.
 
 The device is the recipe's: ``ray.use_gpu: true`` without CUDA is an error (exit 2), not a silent
@@ -39,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import add_tarball_option, cifar_shards  # noqa: E402
+from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
 from pipeline.config import TRAINING_STAGES, ConfigError, Params  # noqa: E402
 from pipeline.data import read_dataset_info  # noqa: E402
 from pipeline.data.transforms import eval_augment  # noqa: E402
@@ -76,6 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     f"of this command (exit {EXIT_RUN_AGAIN}; the same command again continues)")
     ap.add_argument("--out", type=Path, help="write the report as JSON here (each stage's per-epoch history "
                     "included) and its training curves as NAME_curves.png beside it")
+    add_record_option(ap)
     return ap.parse_args(argv)
 
 
@@ -217,7 +222,26 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             return fail(exc)
     print_summary(report)
+    if args.record:
+        try:
+            record_and_say("time_to_accuracy", figures(report), command=command_line(__file__, argv),
+                           case=f"{report['recipe'] or report['params']}, {' + '.join(report['stages'])}")
+        except OSError as exc:
+            return fail(exc)
     return 0
+
+
+STAGE_FIGURES = ("wall_time_s", "epoch", "images_per_s", "input_wait_share", "kept_epoch", "kept_val_top1",
+                 *(f"time_to_top1_{level}_s" for level in LEVELS))
+
+
+def figures(report: dict) -> dict:
+    """What a record keeps of the report: the test figures, the wall times, each stage's pace and kept weights."""
+    got = {k: report[k] for k in ("test_top1", "test_top1_single_view", "test_loss", "training_wall_time_s",
+                                  "command_wall_time_s") if report.get(k) is not None}
+    for stage, s in report["stages"].items():
+        got |= {f"{stage}_{k}": s[k] for k in STAGE_FIGURES if s.get(k) is not None}
+    return got
 
 
 def check_stages(params: Params, shards: dict[str, Path]) -> None:

@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
 from pipeline.config import TrainConfig  # noqa: E402
 from pipeline.environment import device_name  # noqa: E402
 from pipeline.model import PRESETS, build_vit  # noqa: E402
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument("--classes", type=positive_int, default=1000)
     ap.add_argument("--steps", type=positive_int, default=2, help="timed steps per measurement")
     ap.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds without / with checkpointing")
+    add_record_option(ap)
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -133,6 +135,12 @@ def report(args, device: torch.device, median: dict[bool, tuple[float, int]]) ->
     print(f"with checkpointing    : {speed_on:9.1f} img/s   step memory {mem_on / 2**20:9.3f} MiB")
     print(f"checkpointing         : {mem_off / max(mem_on, 1):9.2f}x less step memory at "
           f"{speed_on / speed_off:.2f}x the speed")
+    if args.record:
+        record_and_say("train_memory", {"img_s": round(speed_off, 1), "step_memory_mib": round(mem_off / 2**20, 1),
+                                        "checkpointed_img_s": round(speed_on, 1),
+                                        "checkpointed_step_memory_mib": round(mem_on / 2**20, 1)},
+                       command=command_line(__file__),
+                       case=f"{args.preset}/{args.patch_size} at {args.image_size} px, batch {args.batch}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cifar import add_tarball_option, cifar_shards  # noqa: E402
+from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
 from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, TRAINING_STAGES, ConfigError  # noqa: E402
 from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
 from pipeline.environment import cpu_name, device_name  # noqa: E402
@@ -139,7 +140,7 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def input_scaling(loop: LoopConfig, device: torch.device, counts: list[int], steps: int) -> None:
+def input_scaling(loop: LoopConfig, device: torch.device, counts: list[int], steps: int) -> dict[int, float]:
     """Images/s of the input alone (tars -> loader workers -> copy -> device augmentation, no step)
     for each loader-worker count, in the steady state: the first epoch (each worker indexes the tar
     headers of every shard once) and the workers' first queue are taken untimed. Beside it the CPU
@@ -149,6 +150,7 @@ def input_scaling(loop: LoopConfig, device: torch.device, counts: list[int], ste
     print(f"\ninput alone by loader workers ({steps} steps each after {loop.steps_per_epoch} untimed, "
           f"batch {loop.per_worker_batch}; the workers run on {cpu_name()}):")
     print(f"{'workers':>8} {'img/s':>9} {'per worker':>11} {'ms/batch':>9} {'main CPU':>9} {'workers CPU':>12}")
+    rates = {}
     for count in counts:
         loader = train_batches(loop, device, loop.steps_per_epoch + steps, count)
         warm, batches = max(loop.steps_per_epoch, loader.in_flight), iter(loader)
@@ -162,6 +164,8 @@ def input_scaling(loop: LoopConfig, device: torch.device, counts: list[int], ste
         per = 1e3 / steps
         print(f"{count:>8} {rate:>9.0f} {rate / max(count, 1):>11.0f} {loop.per_worker_batch / rate * 1e3:>9.1f} "
               f"{main * per:>9.1f} {kids * per:>12.1f}", flush=True)
+        rates[count] = rate
+    return rates
 
 
 RANGES = ("input", "train_step")  # the profile's own record_function ranges
@@ -266,6 +270,7 @@ def main() -> None:
     ap.add_argument("--input-scaling", type=worker_counts, metavar="COUNTS",
                     help="instead: the input alone for each loader-worker count in COUNTS (e.g. 1,4,8,15), "
                          "with the CPU time per batch of this process and of the workers")
+    add_record_option(ap)
     args = ap.parse_args()
 
     try:
@@ -289,7 +294,11 @@ def main() -> None:
     except (ConfigError, OSError, ValueError) as exc:  # bad params, no tarball, no or damaged shards, a batch
         refuse(str(exc))                              # too large, no CUDA for a GPU recipe: one line
     if args.input_scaling:
-        return input_scaling(loop, device, args.input_scaling, args.steps)
+        rates = input_scaling(loop, device, args.input_scaling, args.steps)
+        if args.record:
+            record_and_say("train_throughput", {f"input_img_s_{n}_workers": round(r) for n, r in rates.items()},
+                           command=command_line(__file__), case=f"{args.recipe or args.params}, input scaling")
+        return
     stepper = Stepper(model.to(device), loop, device)
     twins = {"eager": twin(stepper, loop, compile=False)} if args.compare_eager and loop.compile else {}
     if args.compare_mode:
@@ -306,14 +315,17 @@ def main() -> None:
     # a fresh eager step (a replayed graph dispatches no ops to count), without the recomputation of
     # grad_checkpointing, which MFU leaves out by definition
     uncompiled = twin(stepper, loop, compile=False, cuda_graph=False, grad_checkpointing=False)
-    report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v}, peak_memory,
-           flops_per_image(uncompiled, *next(batches)))
+    figures = report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v},
+                     peak_memory, flops_per_image(uncompiled, *next(batches)))
+    if args.record:
+        record_and_say("train_throughput", figures, command=command_line(__file__), case=args.recipe or args.params)
     if args.profile:
         profile(stepper, batches, args.profile_steps, args.profile)
 
 
 def report(args, params, loop: LoopConfig, device, median: dict[str, float], peak_memory: int,
-           flops: float) -> None:
+           flops: float) -> dict:
+    """Print the medians and what they say; return them as a record's figures."""
     name = device_name(device)
     alone, fed = median["model"], median["loop"]
     print(f"\n{args.stage} of {args.recipe or args.params} on {name}: {params.model.preset} "
@@ -328,11 +340,17 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
           f"below 1, the input bounds the loop)")
     print(f"median full loop   : {fed:9.0f} img/s")
     print(f"feed ratio         : {fed / alone:9.3f}   (target >= 0.9 on a GPU)")
+    got = {"model_img_s": round(alone), "input_img_s": round(median["input"]), "loop_img_s": round(fed),
+           "feed_ratio": round(fed / alone, 3)}
+    if "eager" in median:
+        got["eager_img_s"] = round(median["eager"])
     for twin in (n for n in median if f"loop {n}" in median):  # --compare-mode, --compare-graph
         twin_alone, twin_fed = median[twin], median[f"loop {twin}"]
         print(f"{twin} alone : {twin_alone:9.0f} img/s   ({twin_alone / alone:.2f}x the model alone above)")
         print(f"{twin} loop  : {twin_fed:9.0f} img/s   (feed ratio {twin_fed / twin_alone:.3f}; "
               f"{twin_fed / fed:.2f}x the full loop above)")
+        got |= {f"{twin}_model_img_s": round(twin_alone), f"{twin}_loop_img_s": round(twin_fed),
+                f"{twin}_feed_ratio": round(twin_fed / twin_alone, 3)}
     if device.type == "cuda":
         note = "   (the twins' steps included)" if len(median) > 3 else ""
         print(f"peak GPU memory    : {peak_memory / 2**30:9.2f} GiB{note}")
@@ -340,6 +358,9 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
         if peak:
             print(f"MFU (bf16 peak)    : {flops * fed / peak:9.1%} of {peak / 1e12:.0f} TFLOP/s "
                   f"({flops / 1e9:.2f} GFLOP per image, fwd + bwd)")
+            got["mfu"] = round(flops * fed / peak, 3)
+        got["peak_gpu_memory_gib"] = round(peak_memory / 2**30, 2)
+    return got
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -23,6 +24,11 @@ VENV_BIN = Path(sys.executable).parent
 # Variables that would point a child at the developer's own servers / params instead of the test's.
 _LEAKY = ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "VIT_PARAMS", "VIT_WORKSPACE",
           "VIT_SHARDS_URL", "AWS_ENDPOINT_URL", "AWS_PROFILE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+# Benchmarks that tests run record their figures in a temporary folder, never in benchmarks/results/.
+_RESULTS = tempfile.TemporaryDirectory(prefix="vit-results-")
+os.environ["VIT_RESULTS_DIR"] = _RESULTS.name
 
 
 # The files that take minutes (Ray / DVC end to end), longest first. scripts/test.sh runs the suite

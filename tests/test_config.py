@@ -413,7 +413,7 @@ def test_one_gpu_recipe_is_valid_and_runs_in_process():
     p = load_params(ROOT / "params.yaml", overrides=recipe_overrides(str(ROOT / "configs/cifar10-1gpu.yaml")))
     assert p.ray.backend == "local" and p.ray.use_gpu and p.ray.loader_workers == 15
     assert p.pretrain.keep == "best" and p.pretrain.ema_decay and p.pretrain.ema_warmup and p.pretrain.compile
-    # what the measured 92.7 % ran with (README "Time to accuracy"): MixUp or CutMix on half the batches
+    # what the measured runs ran with (docs/results.md): MixUp or CutMix on half the batches
     assert (p.pretrain.mixup_alpha, p.pretrain.cutmix_alpha, p.pretrain.mix_prob, p.pretrain.warmup_epochs) == (
         1.0, 1.0, 0.5, 30)
 

@@ -663,6 +663,10 @@ def test_shard_benchmark_runs_on_a_small_imagefolder(tmp_path):
     assert int(rate[2]) == sum(len(v) for v in info["shards"].values()) == len(list((tmp_path / "out").glob("*.tar")))
     assert int(rate[3]) > 0
     assert re.search(r"peak RSS \d+ MB \(after imports \d+ MB; sharding adds -?\d+ MB\)", proc.stdout), proc.stdout
+    # its figures recorded where the tests send records ($VIT_RESULTS_DIR), not in the repository
+    record = json.loads((Path(os.environ["VIT_RESULTS_DIR"]) / "shard_speed.jsonl").read_text().splitlines()[-1])
+    assert record["figures"]["images"] == 30 and record["case"] == "imagefolder"
+    assert record["command"].startswith("python benchmarks/shard_speed.py --data ")
 
     # --cifar-tarball: a missing or a damaged one is one line, exit 2 (it was exit 1, or a traceback), nothing left
     (tmp_path / "cut.tar.gz").write_bytes(b"\x1f\x8b not a whole tarball")
