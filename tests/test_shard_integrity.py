@@ -1,15 +1,19 @@
-"""Shards checked against dataset.json as the loaders read them: a shard cut or changed ends in one line
-naming it and what to do. Real tars (digits) throughout."""
+"""Shards checked against dataset.json as the loaders read them, and samples that cannot be trained on: each
+ends in one line naming the shard (and the sample) and what to do. Real tars (digits) throughout."""
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import shutil
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from pipeline.cli import _known_failure, _raised_in_loader_worker
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info
+from pipeline.data.integrity import BadSample
 from pipeline.data.tario import TarFormatError, tar_members
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -97,6 +101,52 @@ def test_a_shard_changed_in_place_is_named_by_its_sha256(shards):
     with pytest.raises(TarFormatError) as remote:
         list(_train(url))
     assert str(remote.value) == message(url)
+
+
+def _rewrite(shards: Path, key: str, ext: str, data: bytes) -> Path:
+    """Replace sample ``key``'s ``ext`` member in the shard holding it, and record the shard's new size and
+    sha256 in dataset.json: a listing that matches its tars, so the sample, not the shard, is what is wrong."""
+    info = read_dataset_info(shards)
+    for entry in info["shards"]["train"]:
+        path = shards / entry["name"]
+        with tarfile.open(path) as tf:
+            members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
+        if any(m.name == f"{key}.{ext}" for m, _ in members):
+            break
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for member, content in members:
+            content = data if member.name == f"{key}.{ext}" else content
+            member.size = len(content)
+            tf.addfile(member, io.BytesIO(content))
+    path.write_bytes(buf.getvalue())
+    entry.update(bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest())
+    (shards / "dataset.json").write_text(json.dumps(info))
+    return path
+
+
+@pytest.mark.parametrize("ext, data, what", [
+    ("png", b"not an image", "its .png image does not decode (UnidentifiedImageError: cannot identify image file "
+                             "'{key}.png')"),
+    ("cls", b"12", "label 12 names no class ({shards}/dataset.json lists 10: 0..9)"),
+    ("cls", b"dog", "its label 'dog' is not a class number"),
+], ids=["corrupt-image", "label-out-of-range", "label-not-a-number"])
+def test_a_bad_sample_names_its_shard_and_key(shards, ext, data, what):
+    """A sample the train loader decodes in its first step, and the eval loader reads: its image bytes
+    are not an image, or its label names no class of dataset.json's: one line naming the shard, the key and
+    what to do, in the rank or a DataLoader worker (not PIL's ``<_io.BytesIO object at 0x…>`` or torch's
+    ``Target 12 is out of bounds`` at the loss)."""
+    (_, _, keys), = list(_train(shards, return_keys=True))[:1]
+    key = keys[0]
+    path = _rewrite(shards, key, ext, data)
+    want = f"error: BadSample: {path}: sample {key}: {what.format(key=key, shards=shards)}; the shard stage " \
+           f"writes no such sample: {REDO}"
+    for loader in (_train(shards), _train(shards, num_workers=1),
+                   make_eval_loader(shards, "train", batch_size=BATCH, image_size=8, rank=0, world_size=1,
+                                    augment=None)):
+        with pytest.raises(BadSample) as bad:
+            list(loader)
+        assert _one_line(bad.value) == want
 
 
 def test_only_a_loader_workers_own_error_is_unwrapped():

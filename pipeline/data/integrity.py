@@ -1,5 +1,5 @@
 """Shards as the shard stage wrote them: the size and sha256 ``dataset.json`` records of each, checked where
-a loader reads the shard.
+a loader reads the shard, and each sample's label against its classes.
 
 A shard cut short or changed while a run trains (a sync, a copy, a failing disk) stops the run with one line
 naming it, and again on every attempt a Ray restart makes (a restarted loader checks the shard as it opens
@@ -37,10 +37,41 @@ def reshard(shard_dir, when: str = "again") -> str:
     return f"run the shard stage {when} (dvc repro, or python -m stages.shard {name})"
 
 
+def shard_dir_of(url: str) -> str:
+    """The shard directory (or URL prefix) a shard's path or URL lies in."""
+    return str(url).rsplit("/", 1)[0] if "/" in str(url) else "."
+
+
 def size_changed(path: str, size: int, wrote: int, shard_dir) -> TarFormatError:
     """A shard whose size is not the one the shard stage wrote."""
     return TarFormatError(f"{path}: {size:,} bytes, but the shard stage wrote {wrote:,} "
                           f"({_join(shard_dir, DATASET_INFO)}): cut short or changed since; {reshard(shard_dir)}")
+
+
+class BadSample(ValueError):
+    """A sample that cannot be trained on: an image that does not decode, a label that names no class."""
+
+
+def bad_sample(sample: dict, what: str) -> BadSample:
+    """``what`` is wrong with ``sample``: one line naming its shard and key, and what to do."""
+    url = sample.get("__url__")
+    return BadSample(f"{url}: sample {sample.get('__key__')}: {what}; the shard stage writes no such sample: "
+                     f"{reshard(shard_dir_of(url))}")
+
+
+def sample_label(sample: dict, num_classes: int | None) -> int:
+    """A sample's ``.cls`` as a class index, checked against the split's ``num_classes`` when given."""
+    raw = sample.get("cls")
+    try:
+        label = int(raw)
+    except (TypeError, ValueError):
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        raise bad_sample(sample, f"its label {text[:40]!r} is not a class number") from None
+    if num_classes is not None and not 0 <= label < num_classes:
+        listing = _join(shard_dir_of(sample.get("__url__")), DATASET_INFO)
+        raise bad_sample(sample, f"label {label} names no class ({listing} lists {num_classes}: "
+                                 f"0..{num_classes - 1})")
+    return label
 
 
 class RecordedShards:

@@ -32,7 +32,8 @@ from pipeline.utils import DATASET_INFO
 
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
-from .integrity import RecordedShards, reshard, shard_stage, size_changed
+from .integrity import RecordedShards, bad_sample, reshard, sample_label, shard_stage, size_changed
+from .pixels import bad_image_reason
 from .splits import EMPTY_SPLIT_EFFECT, lacks_given_test, why_empty
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
 from .tario import IndexedShards, tarfile_samples
@@ -126,13 +127,19 @@ class _ShardStream(IterableDataset):
                 yield sample
 
 
-def decode_sample(sample: dict) -> tuple[torch.Tensor, int]:
-    """Raw sample -> (uint8 RGB CHW tensor, label)."""
+def decode_sample(sample: dict, num_classes: int | None = None) -> tuple[torch.Tensor, int]:
+    """Raw sample -> (uint8 RGB CHW tensor, label); the label checked to be below ``num_classes`` when given.
+    A sample without an image, with one that does not decode or with a label of no class is one line
+    naming its shard and key (:func:`.integrity.bad_sample`)."""
     ext = next((e for e in IMAGE_KEYS.split(";") if e in sample), None)
     if ext is None:
-        raise ValueError(f"sample {sample.get('__key__')} from {sample.get('__url__')} has no image "
-                         f"({IMAGE_KEYS}); keys: {sorted(sample)}")
-    return decode(ext, sample[ext]), int(sample["cls"])
+        raise bad_sample(sample, f"no image ({IMAGE_KEYS}); its fields: {sorted(k for k in sample if k[:2] != '__')}")
+    label = sample_label(sample, num_classes)
+    try:
+        return decode(ext, sample[ext]), label
+    except Exception as exc:  # the decoders raise many types for bytes that are not an image
+        reason = bad_image_reason(exc, f"{sample.get('__key__')}.{ext}")
+        raise bad_sample(sample, f"its .{ext} image does not decode ({reason})") from None
 
 
 def _collate(samples):
@@ -175,7 +182,7 @@ def _shards(shard_dir, split: str) -> tuple[list[str], list[dict], RecordedShard
 def _eval_pipeline(stream: _ShardStream, image_size, augment, batch_size):
     return wds.DataPipeline(
         stream,
-        wds.map(decode_sample),
+        wds.map(functools.partial(decode_sample, num_classes=stream.check.num_classes)),
         wds.map_tuple(SampleTransform(image_size, augment, train=False), None),
         wds.batched(batch_size, collation_fn=_collate, partial=True))
 
@@ -273,7 +280,7 @@ class _TrainSteps(IterableDataset):
             yield self._batch(samples, epochs)
 
     def _batch(self, raw: list[dict], epochs: list[int]) -> TrainBatch:
-        decoded = [decode_sample(sample) for sample in raw]
+        decoded = [decode_sample(sample, self.check.num_classes) for sample in raw]
         seeds = [sample_seeds(self.seed, epoch, s["__pass__"], s["__key__"]) for s, epoch in zip(raw, epochs)]
         images = torch.stack(self.transform.seeded([img for img, _ in decoded], [a for a, _ in seeds]))
         params = self.device_augment.draw([d for _, d in seeds], *images.shape[-2:])
