@@ -7,6 +7,7 @@ import fcntl
 import inspect
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -66,7 +67,7 @@ def run_stage(fn: Callable[..., object], *args: str, name: str | None = None) ->
     except KeyboardInterrupt as exc:
         _fail(_stopped_line(received(exc), outputs.published[published_before:]), 128 + received(exc))
     except Exception as exc:
-        known = _known_failure(_raised_on_ray_worker(exc), name or fn.__name__)
+        known = _known_failure(_raised_in_loader_worker(_raised_on_ray_worker(exc)), name or fn.__name__)
         if known is None:
             raise  # a bug: the traceback is what its reader needs
         _fail(*known)
@@ -144,6 +145,26 @@ def _raised_on_ray_worker(exc: BaseException) -> BaseException:
     if isinstance(exc, WorkerGroupError) and exc.worker_failures:
         return exc.worker_failures[min(exc.worker_failures)]
     return exc
+
+
+_LOADER_WORKER = re.compile(r"Caught \w+ in DataLoader worker process \d+\.\nOriginal Traceback")
+
+
+def _raised_in_loader_worker(exc: BaseException) -> BaseException:
+    """What a DataLoader worker raised, out of torch's re-raise (the same type, whose message is the
+    worker's traceback): a damaged shard met in a loader worker then reads like one met in the rank."""
+    text = str(exc)
+    if not _LOADER_WORKER.match(text):
+        return exc
+    lines = text.rstrip("\n").split("\n")
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith(" ")), default=len(lines))
+    name, _, message = "\n".join(lines[last_frame + 1:]).partition(": ")  # the error follows the last frame
+    if not message or name.rsplit(".", 1)[-1] != type(exc).__name__:
+        return exc
+    try:
+        return type(exc)(message)
+    except Exception:  # a type that takes other arguments: its wrapped form
+        return exc
 
 
 def _fail(message: str, code: int) -> None:

@@ -39,6 +39,14 @@ def fail_once(step: int, ctx, spec: str) -> None:
     raise RuntimeError(f"injected failure at step {step}")
 
 
+def truncate_shard(step: int, ctx, spec: str) -> None:
+    """``spec`` = ``N:BYTES:SHARD``: before step N, on rank 0, cut the shard file to BYTES bytes (a sync or
+    copy cutting it while the run trains), when it is longer."""
+    at, size, shard = spec.split(":", 2)
+    if step == int(at) and ctx.rank == 0 and os.path.getsize(shard) > int(size):
+        os.truncate(shard, int(size))
+
+
 def record_staging(step: int, ctx, out: str) -> None:
     """Rank 0, at its first step: write its checkpoint staging folder and the names in it to ``out``."""
     if ctx.rank == 0 and not Path(out).exists():

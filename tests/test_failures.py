@@ -19,7 +19,7 @@ from pipeline.outputs import PARTIAL, staged_outputs
 from pipeline.train.context import (STAGING_PREFIX, STAGING_SUFFIX, STATE_FILE, latest_checkpoint, list_checkpoints,
                                     prune_checkpoints)
 from tests.conftest import clean_env, tracebacks
-from tests.repo_copy import pretrain_runs, run, set_params, sharded_short_run
+from tests.repo_copy import pretrain_runs, run, set_params, sharded_short_run, short_run
 
 
 @pytest.fixture(scope="module")
@@ -291,16 +291,52 @@ def test_cut_short_shard_stops_the_stage_before_ray(repo):
 
 @pytest.mark.slow
 def test_shard_damaged_inside_fails_on_the_ray_worker_and_ends_in_one_line(tmp_path):
-    """Damage that keeps the size (a corrupt tar header) is met by a Ray Train rank: the stage's last
-    line is the rank's error, not Ray's wrapper with the remote traceback in it."""
+    """Damage that keeps the size (a corrupt tar header) is met by a Ray Train rank, which hashes the
+    shard as it opens it: the stage's last line is the rank's error, naming the shard's sha256 against
+    dataset.json's and what to do, not Ray's wrapper with the remote traceback in it."""
+    import hashlib
+
     repo = sharded_short_run(tmp_path / "repo")
     shard = repo / "data/shards/pretrain/train-000000.tar"
     whole = shard.read_bytes()
-    shard.write_bytes(whole[:148] + b"0000001\0" + whole[156:])  # the first header's checksum field
+    damaged = whole[:148] + b"0000001\0" + whole[156:]  # the first header's checksum field
+    shard.write_bytes(damaged)
+    got, wrote = hashlib.sha256(damaged).hexdigest(), hashlib.sha256(whole).hexdigest()
     proc = run(["python", "-m", "stages.pretrain"], repo, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: TarFormatError: {shard}: tar header checksum mismatch: not a tar file, or corrupt")
+        f"error: TarFormatError: {shard}: sha256 {got[:12]}…, but the shard stage wrote {wrote[:12]}… "
+        f"({shard.parent / 'dataset.json'}): changed since; run the shard stage again (dvc repro, or python -m "
+        f"stages.shard pretrain)")
+
+
+@pytest.mark.slow
+def test_a_shard_cut_short_mid_run_fails_every_attempt_in_one_line(tmp_path, monkeypatch):
+    """A shard cut while the run trains (at the first step of epoch 2, after the epoch-1 checkpoint; at a
+    512-byte block, which a tar index takes for the end of the archive): the rank that reads past the cut
+    fails, Ray restarts the ranks from the checkpoint (``max_failures: 1``), the restarted ranks find the
+    shard cut as they open it (not a shorter shard to train on), and the stage exits 1 with one line
+    naming the shard and what to do, having saved no model."""
+    from tests.faults import hook_env
+
+    def edit(raw):
+        raw = short_run(raw)
+        raw["ray"].update(max_failures=1)
+        return raw
+
+    repo = sharded_short_run(tmp_path / "repo", edit=edit)
+    shard = repo / "data/shards/pretrain/train-000001.tar"
+    whole = shard.stat().st_size
+    for key, value in hook_env(f"truncate_shard={1257 // 64}:{58 * 512}:{shard}").items():
+        monkeypatch.setenv(key, value)
+    proc = run(["python", "-m", "stages.pretrain"], repo, timeout=300)
+    assert proc.returncode == 1 and shard.stat().st_size == 58 * 512, proc.stderr[-3000:]
+    line = (f"error: TarFormatError: {shard}: 29,696 bytes, but the shard stage wrote {whole:,} "
+            f"({shard.parent / 'dataset.json'}): cut short or changed since; run the shard stage again (dvc repro, "
+            f"or python -m stages.shard pretrain)")
+    assert proc.stderr.strip().splitlines()[-1] == line
+    assert "resumed from checkpoint: epoch 1" in proc.stdout  # the second attempt met it again
+    assert not (repo / "models/pretrain").exists()
 
 
 @pytest.mark.parametrize("wrap", ["task", "train"])

@@ -87,7 +87,7 @@ def test_train_invariant_when_streams_wrap(tmp_path, maxcount):
     from itertools import islice
     from pipeline.data.loader import _shards
     from pipeline.data.streams import key_index, open_streams, stream_pieces
-    urls, listed = _shards(out, "train")
+    urls, listed, _ = _shards(out, "train")
     shards = [(u, s["count"]) for u, s in zip(urls, listed)]
     for g in (0, 7):
         pieces = stream_pieces(shards, 8, g, seed=1, epoch=0)

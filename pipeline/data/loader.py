@@ -17,6 +17,7 @@ split still divides exactly.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 from itertools import islice
@@ -26,15 +27,16 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.config import TRAINING_STAGES
 from pipeline.storage import file_sizes, is_url, join as _join
 from pipeline.utils import DATASET_INFO
 
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
+from .integrity import RecordedShards, bad_sample, reshard, sample_label, shard_stage, size_changed
+from .pixels import bad_image_reason
 from .splits import EMPTY_SPLIT_EFFECT, lacks_given_test, why_empty
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
-from .tario import IndexedShards, TarFormatError, tarfile_samples
+from .tario import IndexedShards, tarfile_samples
 from .transforms import BatchFinish, SampleTransform
 
 _FSSPEC_SCHEMES = ("s3", "gcs", "az", "abfs", "memory")
@@ -54,28 +56,13 @@ def read_dataset_info(shard_dir) -> dict:
     path = _join(shard_dir, DATASET_INFO)
     if not is_url(shard_dir) and not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: {shard_dir} holds no shard stage's output; "
-                                f"{_reshard(shard_dir, 'first')}")
+                                f"{reshard(shard_dir, 'first')}")
     import fsspec
     with fsspec.open(path, "rt") as f:
         try:
             return json.load(f)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc}); {_reshard(shard_dir)}") from None
-
-
-def _shard_stage(shard_dir) -> str | None:
-    """The shard stage whose output the folder is named as (data/shards/<stage>), if any."""
-    name = str(shard_dir).rstrip("/").rsplit("/", 1)[-1]
-    return name if name in TRAINING_STAGES else None
-
-
-def _reshard(shard_dir, when: str = "again") -> str:
-    """What to do about a missing or damaged shard directory: the shard stage's command where the
-    folder is named as one of its outputs, else the function it runs."""
-    name = _shard_stage(shard_dir)
-    if name is None:
-        return f"write it {when} with the shard stage or pipeline.data.shard_dataset()"
-    return f"run the shard stage {when} (dvc repro, or python -m stages.shard {name})"
+            raise ValueError(f"{path}: not valid JSON ({exc}); {reshard(shard_dir)}") from None
 
 
 def check_shard_files(shard_dir, info: dict) -> None:
@@ -83,14 +70,13 @@ def check_shard_files(shard_dir, info: dict) -> None:
     sizes were recorded: presence only). Training and evaluation call this before they start: a tar cut
     short by an interrupted copy or sync would otherwise fail on a Ray worker (and again on each retry),
     or, cut at a member boundary, quietly lose samples."""
-    sizes, listing, redo = file_sizes(shard_dir), _join(shard_dir, DATASET_INFO), _reshard(shard_dir)
+    sizes, listing, redo = file_sizes(shard_dir), _join(shard_dir, DATASET_INFO), reshard(shard_dir)
     for shard in (s for split in info["shards"].values() for s in split):
         path, size = _join(shard_dir, shard["name"]), sizes.get(shard["name"])
         if size is None:
             raise FileNotFoundError(errno.ENOENT, f"shard missing (listed in {listing}); {redo}", path)
         if size != shard.get("bytes", size):
-            raise TarFormatError(f"{path}: {size:,} bytes, but the shard stage wrote {shard['bytes']:,} ({listing}): "
-                                 f"cut short or changed since; {redo}")
+            raise size_changed(path, size, shard["bytes"], shard_dir)
 
 
 def require_split(shard_dir, info: dict, split: str) -> None:
@@ -98,11 +84,11 @@ def require_split(shard_dir, info: dict, split: str) -> None:
     (the shard stage warned of it) and what gives it some."""
     if info["counts"][split]:
         return
-    name = _shard_stage(shard_dir)
+    name = shard_stage(shard_dir)
     key = f"data.{name}.{split}_fraction" if name else f"{split}_fraction"
     fix = f"give the source a {split}/ folder" + ("" if lacks_given_test(info, split) else f" or set {key} above 0")
     raise ValueError(f"{shard_dir} holds no {split} images ({why_empty(info, split)}): {EMPTY_SPLIT_EFFECT[split]}; "
-                     f"{fix}, then {_reshard(shard_dir)}")
+                     f"{fix}, then {reshard(shard_dir)}")
 
 
 def require_classes(shard_dir, info: dict, model_dir, classes: list[str]) -> None:
@@ -128,26 +114,32 @@ def eval_reader_shards(shards: list, rank: int, world_size: int, worker: int, nu
 class _ShardStream(IterableDataset):
     """Raw samples of one eval reader (rank x DataLoader worker), in shard order, read once."""
 
-    def __init__(self, urls, rank, world_size):
+    def __init__(self, urls, rank, world_size, check: RecordedShards):
         super().__init__()
-        self.urls, self.rank, self.world_size = list(urls), rank, world_size
+        self.urls, self.rank, self.world_size, self.check = list(urls), rank, world_size, check
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         mine, modulo = eval_reader_shards(self.urls, self.rank, self.world_size, worker, num_workers)
-        for sample in tarfile_samples([{"url": u} for u in mine]):
+        for sample in tarfile_samples([{"url": u} for u in mine], self.check):
             if modulo is None or key_index(sample["__key__"]) % modulo[1] == modulo[0]:
                 yield sample
 
 
-def decode_sample(sample: dict) -> tuple[torch.Tensor, int]:
-    """Raw sample -> (uint8 RGB CHW tensor, label)."""
+def decode_sample(sample: dict, num_classes: int | None = None) -> tuple[torch.Tensor, int]:
+    """Raw sample -> (uint8 RGB CHW tensor, label); the label checked to be below ``num_classes`` when given.
+    A sample without an image, with one that does not decode or with a label of no class is one line
+    naming its shard and key (:func:`.integrity.bad_sample`)."""
     ext = next((e for e in IMAGE_KEYS.split(";") if e in sample), None)
     if ext is None:
-        raise ValueError(f"sample {sample.get('__key__')} from {sample.get('__url__')} has no image "
-                         f"({IMAGE_KEYS}); keys: {sorted(sample)}")
-    return decode(ext, sample[ext]), int(sample["cls"])
+        raise bad_sample(sample, f"no image ({IMAGE_KEYS}); its fields: {sorted(k for k in sample if k[:2] != '__')}")
+    label = sample_label(sample, num_classes)
+    try:
+        return decode(ext, sample[ext]), label
+    except Exception as exc:  # the decoders raise many types for bytes that are not an image
+        reason = bad_image_reason(exc, f"{sample.get('__key__')}.{ext}")
+        raise bad_sample(sample, f"its .{ext} image does not decode ({reason})") from None
 
 
 def _collate(samples):
@@ -177,18 +169,20 @@ def _rank_samples(shards: list[dict], rank: int, world_size: int) -> int:
     return len(range(rank, sum(s["count"] for s in shards), world_size))
 
 
-def _shards(shard_dir, split: str) -> tuple[list[str], list[dict]]:
+def _shards(shard_dir, split: str) -> tuple[list[str], list[dict], RecordedShards]:
+    """A split's shard URLs, their dataset.json entries and what a loader checks them against."""
     info = read_dataset_info(shard_dir)
     if split not in info["shards"]:
         raise ValueError(f"split {split!r} not in {shard_dir}; available: {sorted(info['shards'])}")
     shards = info["shards"][split]
-    return [_join(shard_dir, s["name"]) for s in shards], shards
+    urls = [_join(shard_dir, s["name"]) for s in shards]
+    return urls, shards, RecordedShards(shard_dir, info, urls, shards)
 
 
-def _eval_pipeline(stream, image_size, augment, batch_size):
+def _eval_pipeline(stream: _ShardStream, image_size, augment, batch_size):
     return wds.DataPipeline(
         stream,
-        wds.map(decode_sample),
+        wds.map(functools.partial(decode_sample, num_classes=stream.check.num_classes)),
         wds.map_tuple(SampleTransform(image_size, augment, train=False), None),
         wds.batched(batch_size, collation_fn=_collate, partial=True))
 
@@ -249,10 +243,11 @@ class _TrainSteps(IterableDataset):
     own seed only, so the parcel size changes no batch.
     """
 
-    def __init__(self, shards, *, rank, world_size, num_streams, chunk, steps, seed, epoch, last_epoch,
+    def __init__(self, shards, *, check, rank, world_size, num_streams, chunk, steps, seed, epoch, last_epoch,
                  start_batch, image_size, augment, return_keys, parcel):
         super().__init__()
-        self.shards, self.rank, self.world_size, self.num_streams = list(shards), rank, world_size, num_streams
+        self.check, self.shards, self.rank, self.world_size = check, list(shards), rank, world_size
+        self.num_streams = num_streams
         self.chunk, self.steps, self.seed, self.return_keys, self.parcel = chunk, steps, seed, return_keys, parcel
         self.epochs, self.start_batch = range(epoch, last_epoch + 1), start_batch
         self.transform = SampleTransform(image_size, augment, train=True)
@@ -263,7 +258,9 @@ class _TrainSteps(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         mine = reader_streams(self.num_streams, self.rank, self.world_size)
         local = not any(is_url(u) or u.startswith("pipe:") for u, _ in self.shards)
-        read = IndexedShards() if local else tarfile_samples  # local tars: read only the samples we decode
+        # local tars: read only the samples we decode; each worker hashes its share of the shards as it indexes them
+        read = (IndexedShards(self.check, (worker, num_workers)) if local
+                else functools.partial(tarfile_samples, check=self.check))
         k, samples, epochs = 0, [], []  # steps so far; the samples of this worker's parcel being filled
         for epoch in self.epochs:
             streams = open_streams(self.shards, mine, self.num_streams, seed=self.seed, epoch=epoch, read=read)
@@ -283,7 +280,7 @@ class _TrainSteps(IterableDataset):
             yield self._batch(samples, epochs)
 
     def _batch(self, raw: list[dict], epochs: list[int]) -> TrainBatch:
-        decoded = [decode_sample(sample) for sample in raw]
+        decoded = [decode_sample(sample, self.check.num_classes) for sample in raw]
         seeds = [sample_seeds(self.seed, epoch, s["__pass__"], s["__key__"]) for s, epoch in zip(raw, epochs)]
         images = torch.stack(self.transform.seeded([img for img, _ in decoded], [a for a, _ in seeds]))
         params = self.device_augment.draw([d for _, d in seeds], *images.shape[-2:])
@@ -358,13 +355,13 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
         raise ValueError(f"steps_per_epoch={steps_per_epoch} must be >= 1, last_epoch={last_epoch} >= "
                          f"epoch={epoch} and start_batch={start_batch} in [0, steps_per_epoch)")
     num_streams = resolve_num_streams(num_streams, batch_size=batch_size, world_size=world_size)
-    urls, shards = _shards(shard_dir, "train")
+    urls, shards, check = _shards(shard_dir, "train")
     if not urls:
         raise ValueError(f"{shard_dir} has no train shards")
     total = sum(s["count"] for s in shards)
     if len(urls) < num_streams and total < num_streams:
         raise ValueError(f"{shard_dir} has {total} train samples, fewer than num_streams={num_streams}")
-    ds = _TrainSteps([(url, s["count"]) for url, s in zip(urls, shards)], rank=rank, world_size=world_size, num_streams=num_streams,
+    ds = _TrainSteps([(url, s["count"]) for url, s in zip(urls, shards)], check=check, rank=rank, world_size=world_size, num_streams=num_streams,
                      chunk=batch_size * world_size // num_streams, steps=steps_per_epoch, seed=seed,
                      epoch=epoch, last_epoch=last_epoch, start_batch=start_batch, image_size=image_size,
                      augment=augment, return_keys=return_keys,
@@ -414,10 +411,10 @@ def make_eval_loader(shard_dir, split: str, *, batch_size: int, image_size: int,
     ``num_workers`` the workers persist between iterations (one eval per epoch reuses them).
     """
     _check_rank(rank, world_size, batch_size, num_workers)
-    urls, shards = _shards(shard_dir, split)
+    urls, shards, check = _shards(shard_dir, split)
     n = _rank_samples(shards, rank, world_size)
     length = -(-n // batch_size)
-    stream = _ShardStream(urls, rank, world_size)
+    stream = _ShardStream(urls, rank, world_size, check)
     ds = _eval_pipeline(stream, image_size, augment, batch_size)
     finish, device = BatchFinish(augment), torch.device(device)
     if num_workers == 0 or not urls:

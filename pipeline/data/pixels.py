@@ -2,6 +2,8 @@
 model serves on the pixels it was trained on (kept light: predict imports it)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 from PIL import Image
 
@@ -12,6 +14,16 @@ DEEP_GRAY = ("I", "I;16", "I;16B", "I;16L", "I;16N")  # PIL's 16- and 32-bit int
 
 class BadImage(ValueError):
     """An input image that cannot be decoded; the shard stage skips and reports it."""
+
+
+_OBJECT_REPR = re.compile(r"<[^<>]*? at 0x[0-9a-fA-F]+>")
+
+
+def bad_image_reason(exc: BaseException, source_path: str) -> str:
+    """``Class: message``, with object reprs (PIL names ``<_io.BytesIO object at 0x…>``, a new address
+    every run) replaced by the image's path: bad_files.json must be byte-identical between identical runs,
+    and a loader's error names the sample."""
+    return f"{type(exc).__name__}: {_OBJECT_REPR.sub(repr(source_path), str(exc))}"
 
 
 def eight_bit(img: Image.Image) -> Image.Image:

@@ -12,7 +12,6 @@ import io
 import json
 import math
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +29,7 @@ from pipeline.utils import BAD_FILES, DATASET_INFO, MANIFEST, apply_umask
 
 from .codec import decode, encode_ppm
 from .parquet_source import SpoolFull
-from .pixels import BadImage, eight_bit
+from .pixels import BadImage, bad_image_reason, eight_bit
 from .sources import list_source
 from .splits import EMPTY_SPLIT_EFFECT, SPLITS, Record, SourceListing, why_empty
 
@@ -40,15 +39,6 @@ MANIFEST_SCHEMA = pa.schema([("key", pa.string()), ("split", pa.string()), ("sha
                              ("label", pa.int64()), ("source_path", pa.string()), ("bytes", pa.int64())])
 TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # OSError numbers reported as "no space left"
-
-
-_OBJECT_REPR = re.compile(r"<[^<>]*? at 0x[0-9a-fA-F]+>")
-
-
-def bad_image_reason(exc: BaseException, source_path: str) -> str:
-    """``Class: message``, with object reprs (PIL names ``<_io.BytesIO object at 0x…>``, a new address
-    every run) replaced by the image's path: bad_files.json must be byte-identical between identical runs."""
-    return f"{type(exc).__name__}: {_OBJECT_REPR.sub(repr(source_path), str(exc))}"
 
 
 def _encode(img: Image.Image, fmt: str) -> bytes:

@@ -9,6 +9,7 @@ samples then cost ~17 us (measured on the CIFAR-10 shards, same process). Openin
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import IO, Iterable, Iterator
 
@@ -106,14 +107,24 @@ def tar_members(stream: IO[bytes], url: str, *,
             long_name = None
 
 
-def tar_file_expander(sources: Iterable[dict]) -> Iterator[dict]:
-    """webdataset's ``tar_file_expander`` contract: file dicts with ``__url__``, ``{}`` after each shard."""
+def tar_file_expander(sources: Iterable[dict], check=None) -> Iterator[dict]:
+    """webdataset's ``tar_file_expander`` contract: file dicts with ``__url__``, ``{}`` after each shard.
+    ``check`` (a :class:`.integrity.RecordedShards`): each shard read to its end is hashed as it is read and
+    checked against it; so is one that is not a readable tar (its damage is then named as a change)."""
     for source in sources:
         url, stream = source["url"], source["stream"]
+        verified = check.reading(url, stream) if check is not None else None
         try:
-            for name, data, _, _ in tar_members(stream, url):
-                if not _SKIP_META.match(name):
-                    yield {"fname": name, "data": data, "__url__": url}
+            try:
+                for name, data, _, _ in tar_members(verified or stream, url):
+                    if not _SKIP_META.match(name):
+                        yield {"fname": name, "data": data, "__url__": url}
+            except TarFormatError:
+                if verified is not None:
+                    verified.finish()
+                raise
+            if verified is not None:
+                verified.finish()
         finally:
             close = getattr(stream, "close", None)
             if close is not None:
@@ -121,9 +132,10 @@ def tar_file_expander(sources: Iterable[dict]) -> Iterator[dict]:
         yield {}
 
 
-def tarfile_samples(src: Iterable[dict]) -> Iterator[dict]:
-    """Drop-in for ``webdataset.tarfile_samples``: ``[{"url": ...}, ...]`` -> samples (dicts by key)."""
-    return tariterators.group_by_keys(tar_file_expander(tariterators.url_opener(src)))
+def tarfile_samples(src: Iterable[dict], check=None) -> Iterator[dict]:
+    """Drop-in for ``webdataset.tarfile_samples``: ``[{"url": ...}, ...]`` -> samples (dicts by key);
+    ``check``: see :func:`tar_file_expander`."""
+    return tariterators.group_by_keys(tar_file_expander(tariterators.url_opener(src), check))
 
 
 OPEN_SHARDS = 64  # files a reader keeps open: every shard of a large set at once passes a common limit (1,024)
@@ -133,9 +145,14 @@ class IndexedShards:
     """Samples of local tar shards as index records: webdataset's sample dicts with ``(offset,
     size)`` in place of each member's bytes, each shard's headers scanned once and kept; :meth:`load`
     reads one record's bytes. A reader that needs the order of all samples but the bytes of only a
-    few (a loader worker that decodes every n-th step) skips most of what a sample read costs."""
+    few (a loader worker that decodes every n-th step) skips most of what a sample read costs.
 
-    def __init__(self):
+    ``check`` (a :class:`.integrity.RecordedShards`): a shard's size is checked when it is indexed, and
+    its sha256 too where ``check.hashes(url, *share)``; a member read short (the shard cut since) is
+    named as a size change."""
+
+    def __init__(self, check=None, share: tuple[int, int] = (0, 1)):
+        self.check, self.share = check, share
         self._index: dict[str, list[dict]] = {}
         self._files: dict[str, IO[bytes]] = {}
 
@@ -148,6 +165,9 @@ class IndexedShards:
     def _shard(self, url: str) -> list[dict]:
         if url not in self._index:
             with open(url, "rb") as f:
+                if self.check is not None:
+                    self.check.check_file(url, f, digest=self.check.hashes(url, *self.share))
+                    f.seek(0)
                 files = ({"fname": name, "data": (offset, size), "__url__": url}
                          for name, _, offset, size in tar_members(f, url, skip_data=True)
                          if not _SKIP_META.match(name))
@@ -156,13 +176,23 @@ class IndexedShards:
 
     def load(self, record: dict) -> dict:
         """The record as ``tarfile_samples`` would have yielded it (member bytes by extension)."""
-        f = self._file(record["__url__"])
+        url = record["__url__"]
+        f = self._file(url)
         sample = dict(record)
         for ext, value in record.items():
             if not ext.startswith("__"):
                 f.seek(value[0])
                 sample[ext] = f.read(value[1])
+                if len(sample[ext]) != value[1]:
+                    self._read_short(url, f, value, len(sample[ext]))
         return sample
+
+    def _read_short(self, url: str, f: IO[bytes], member: tuple[int, int], got: int) -> None:
+        """A member that was there when the shard was indexed ends early: the shard was cut since."""
+        if self.check is not None:
+            self.check.check_size(url, os.fstat(f.fileno()).st_size)
+        raise TarFormatError(f"{url}: truncated tar archive (member at byte {member[0]:,}: wanted "
+                             f"{member[1]} bytes, got {got}); it changed after it was indexed")
 
     def _file(self, url: str) -> IO[bytes]:
         """The shard's open file; the ``OPEN_SHARDS`` used last stay open (a stream reads a shard's
