@@ -35,7 +35,7 @@ from pipeline.data.transforms import eval_augment, eval_transform
 from pipeline.metrics import predicted_class
 from pipeline.model.io import ModelFileError, load_model, read_model_file
 from pipeline.registry import MODEL_URI, download_export  # imports MLflow only when it downloads
-from pipeline.utils import CONFIG_NAME, EXPORTS, error_summary, positive_int
+from pipeline.utils import CONFIG_NAME, EXPORTS, error_summary, positive_int, shown
 
 MODEL_FILES = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "safetensors": "model.safetensors"}
 CONFIG_KEYS = ("classes", "image_size", "normalize")  # what predict reads from the export's config.json
@@ -66,9 +66,9 @@ def read_config(path: Path) -> dict:
                              f"config.json; {REEXPORT}")
     classes, size = meta["classes"], meta["image_size"]
     if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
-        raise ModelFileError(f"{path}: classes is {classes!r}, not a list of class names; {REEXPORT}")
+        raise ModelFileError(f"{path}: classes is {shown(classes)}, not a list of class names; {REEXPORT}")
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise ModelFileError(f"{path}: image_size is {size!r}, not a positive whole number of pixels; {REEXPORT}")
+        raise ModelFileError(f"{path}: image_size is {shown(size)}, not a positive whole number of pixels; {REEXPORT}")
     return meta
 
 
