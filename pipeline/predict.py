@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from pipeline.data.pixels import IMAGE_EXTS, eight_bit
+from pipeline.data.pixels import IMAGE_EXTS, eight_bit, upright
 from pipeline.data.transforms import eval_augment, eval_transform
 from pipeline.metrics import predicted_class
 from pipeline.model.io import ModelFileError, load_model, read_model_file
@@ -139,13 +139,14 @@ class Predictor:
         self._run = load_file(self.model_file, RUNNERS[fmt])
 
     def preprocess(self, path: Path) -> torch.Tensor:
-        """The image as the model takes it, a 16-bit one by its high byte as in training (PIL's RGB
-        conversion would clip it at 255). Pillow's warning for an image of 89-179 Mpx is silenced (it is
-        resized like any other); a larger one raises Image.DecompressionBombError, a failed input."""
+        """The image as the model takes it, as the shard stage stores it for training: turned as its EXIF
+        orientation says, a 16-bit one by its high byte (PIL's RGB conversion would clip it at 255).
+        Pillow's warning for an image of 89-179 Mpx is silenced (it is resized like any other); a larger
+        one raises Image.DecompressionBombError, a failed input."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(path) as img:
-                return self.transform(eight_bit(img).convert("RGB"))
+                return self.transform(eight_bit(upright(img)).convert("RGB"))
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -225,3 +225,17 @@ def test_the_class_named_is_evaluate_s_argmax_of_the_logits(export_dir):
     idx, conf = predictor(torch.zeros(1))
     assert idx.tolist() == predicted_class(logits).tolist() == [1]
     assert conf[0] == pytest.approx(logits.softmax(-1)[0, 1].item())
+
+
+def test_exif_orientation_is_applied_as_the_shard_stage_does(export_dir, tmp_path):
+    """A phone's portrait photo (stored sideways, tagged to be turned) is classified upright, as the shard
+    stage stores it for training."""
+    from tests.data_helpers import sideways_photo
+
+    predictor = predict.Predictor(export_dir, "safetensors")
+    upright = sideways_photo(tmp_path / "phone.png", "PNG")
+    Image.fromarray(upright).save(tmp_path / "upright.png")
+    Image.fromarray(np.rot90(upright).copy()).save(tmp_path / "sideways.png")
+    assert torch.equal(predictor.preprocess(tmp_path / "phone.png"), predictor.preprocess(tmp_path / "upright.png"))
+    assert not torch.equal(predictor.preprocess(tmp_path / "sideways.png"),
+                           predictor.preprocess(tmp_path / "upright.png"))
