@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pipeline.config import ConfigError, RayConfig
+from pipeline.reaper import watch
 from pipeline.signals import raise_on_signals
 
 WAIT_REPORT_S = 30  # how often a wait for cluster resources says so
@@ -27,6 +28,10 @@ RAY_CLI_WORKER_PORTS = (10002, 19999)  # what `ray start` gives its workers (a h
 # transient. A Ray instance of the stage's own has no autoscaler to tell, so its processes drop them.
 COORDINATOR_LOGGER = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
 COORDINATOR_TIMEOUTS = ("Failed to send resource request for train-", "Failed to cancel resource request for train-")
+# Ray gives a node this machine's network address, and then its processes (GCS, raylet, workers, agents)
+# listen on every interface. With this variable off, Ray's setting on macOS and Windows, a node takes
+# 127.0.0.1 and they all listen there only. Ray reads it as it is imported, into ENABLE_RAY_CLUSTER.
+LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
@@ -102,7 +107,36 @@ def _start_local(ray_cfg: RayConfig, kwargs: dict, dashboard: bool) -> None:
         kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
     if not ray_cfg.verbose:
         kwargs["runtime_env"]["worker_process_setup_hook"] = drop_coordinator_timeouts
-    ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, **kwargs)
+    before = _descendants()
+    with _loopback_only():
+        ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, **kwargs)
+    # Ray's agents outlive a `kill -9` of the stage: whatever it started is ended once the stage is gone
+    watch(sorted(_descendants() - before))
+
+
+def _descendants() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@contextmanager
+def _loopback_only() -> Iterator[None]:
+    """While a local instance starts: its node on 127.0.0.1 (:data:`LOOPBACK_VAR`), in this process and in
+    the processes it starts, which inherit the environment. Put back after: a later ray.init in this
+    process may join a cluster, which needs the machine's address."""
+    from ray._private import ray_constants
+
+    before = os.environ.get(LOOPBACK_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_VAR], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before[1]
+        if before[0] is None:
+            os.environ.pop(LOOPBACK_VAR, None)
+        else:
+            os.environ[LOOPBACK_VAR] = before[0]
 
 
 class _CoordinatorTimeouts(logging.Filter):

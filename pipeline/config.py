@@ -21,6 +21,8 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from pipeline.utils import shown
+
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 EXPORT_FORMATS = ("safetensors", "torchscript", "onnx")
 # export.opset: 17 or newer; 25 is the newest at which onnxruntime 1.31.1 (requirements.txt) loads the exported ViT
@@ -275,14 +277,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         number = _float(value)
         if number is not None:
             if not math.isfinite(number):  # nan would pass every range check below (`nan <= 0` is False)
-                raise _NotFinite(f"{key}: {value!r} is not a finite number (nan and inf are not valid values)")
+                raise _NotFinite(f"{key}: {shown(value)} is not a finite number (nan and inf are not valid values)")
             return number
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif isinstance(value, tp):
         return value
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {shown(value)} ({type(value).__name__})")
 
 
 def _float(value: Any) -> float | None:
@@ -311,12 +313,12 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
 
 def _choice(key: str, value: Any, valid: tuple) -> None:
     if value not in valid:
-        raise ConfigError(f"{key}: {value!r} is not valid (choose one of: {', '.join(map(str, valid))})")
+        raise ConfigError(f"{key}: {shown(value)} is not valid (choose one of: {', '.join(map(str, valid))})")
 
 
 def _positive(key: str, value: float, nullable: bool = False) -> None:
     if value <= 0:
-        raise ConfigError(f"{key}: {value!r} must be > 0{' or null' if nullable else ''}")
+        raise ConfigError(f"{key}: {shown(value)} must be > 0{' or null' if nullable else ''}")
 
 
 # What the generators take: the split (scikit-learn) seeds with data.<name>.seed + 1, below 2**32; the ranks
@@ -326,25 +328,25 @@ DATA_SEEDS, TRAINING_SEEDS = (2**32 - 1, "2**32 - 1"), (2**53, "2**53")
 
 def _seed(key: str, value: int, bound: tuple[int, str]) -> None:
     if not 0 <= value < bound[0]:
-        raise ConfigError(f"{key}: {value!r} must be in [0, {bound[1]})")
+        raise ConfigError(f"{key}: {shown(value)} must be in [0, {bound[1]})")
 
 
 def _not_blank(key: str, value: Optional[str], null_means: str) -> None:
     """``''`` in a path key read as the current folder (``finetune.init: ''`` loaded ./config.json)."""
     if value is not None and not value.strip():
-        raise ConfigError(f"{key}: {value!r} names nothing; use null ({null_means}) or a path")
+        raise ConfigError(f"{key}: {shown(value)} names nothing; use null ({null_means}) or a path")
 
 
 def _non_negative(key: str, value: float) -> None:
     if value < 0:
-        raise ConfigError(f"{key}: {value!r} must be >= 0")
+        raise ConfigError(f"{key}: {shown(value)} must be >= 0")
 
 
 def _name(key: str, value: str, forbidden: str = "") -> None:
     """An MLflow name: not blank, none of ``forbidden`` (MLflow refuses them late, with a traceback)."""
     if not value.strip() or any(c in value for c in forbidden):
         rule = f", without {' or '.join(map(repr, forbidden))}" if forbidden else ""
-        raise ConfigError(f"{key}: {value!r} is not a valid name (a non-empty name{rule})")
+        raise ConfigError(f"{key}: {shown(value)} is not a valid name (a non-empty name{rule})")
 
 
 def _model_check(check, *args) -> None:
@@ -380,8 +382,8 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
     if d.source in ROOTED and not d.root:
         raise ConfigError(f"{key}.root: required for source {d.source!r} (a path to the dataset)")
     if d.source not in ROOTED and d.root:
-        raise ConfigError(f"{key}.root: {d.root!r} would be ignored: source {d.source!r} is built in; set root: null, "
-                          f"or a source that reads it ({', '.join(ROOTED)})")
+        raise ConfigError(f"{key}.root: {shown(d.root)} would be ignored: source {d.source!r} is built in; set root: "
+                          f"null, or a source that reads it ({', '.join(ROOTED)})")
     try:  # the shard stage's own checks, its messages under the section's keys
         check_fractions(d.val_fraction, d.test_fraction)
         check_fraction("max_bad_fraction", d.max_bad_fraction)
@@ -393,12 +395,12 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
         _positive(f"{key}.{k}", getattr(d, k))
     _seed(f"{key}.seed", d.seed, DATA_SEEDS)
     if d.num_classes < 2:
-        raise ConfigError(f"{key}.num_classes: {d.num_classes!r} must be >= 2 (a classifier needs two classes)")
+        raise ConfigError(f"{key}.num_classes: {shown(d.num_classes)} must be >= 2 (a classifier needs two classes)")
     if d.max_side is not None:
         _positive(f"{key}.max_side", d.max_side, nullable=True)
     for k in ("image_column", "label_column"):
         if getattr(d, k) is not None and d.source != "parquet":
-            raise ConfigError(f"{key}.{k}: {getattr(d, k)!r} would be ignored: only source 'parquet' reads it; "
+            raise ConfigError(f"{key}.{k}: {shown(getattr(d, k))} would be ignored: only source 'parquet' reads it; "
                               "set it to null")
 
 
@@ -453,7 +455,7 @@ def _check_training(stage: str, t: TrainConfig, ranks: int) -> None:
     if t.grad_clip is not None:  # clip_grad_norm_ with a negative max flips every gradient
         _positive(f"{stage}.grad_clip", t.grad_clip, nullable=True)
     if not 0.0 <= t.label_smoothing < 1.0:
-        raise ConfigError(f"{stage}.label_smoothing: {t.label_smoothing!r} must be in [0, 1)")
+        raise ConfigError(f"{stage}.label_smoothing: {shown(t.label_smoothing)} must be in [0, 1)")
     _choice(f"{stage}.amp", t.amp, AMP_MODES)
     _choice(f"{stage}.compile_mode", t.compile_mode, COMPILE_MODES)
     _choice(f"{stage}.keep", t.keep, KEEP_CHOICES)
@@ -463,7 +465,7 @@ def _check_training(stage: str, t: TrainConfig, ranks: int) -> None:
     for k in ("ema_decay", "layer_decay"):
         v = getattr(t, k)
         if v is not None and not 0.0 < v <= 1.0:
-            raise ConfigError(f"{stage}.{k}: {v!r} must be in (0, 1] or null")
+            raise ConfigError(f"{stage}.{k}: {shown(v)} must be in (0, 1] or null")
     for k in ("max_worker_batch", "checkpoint_every_steps", "log_every_steps"):
         if getattr(t, k) is not None:
             _positive(f"{stage}.{k}", getattr(t, k))
@@ -474,7 +476,7 @@ def _check_training(stage: str, t: TrainConfig, ranks: int) -> None:
     if t.mixup_alpha < 0 or t.cutmix_alpha < 0:
         raise ConfigError(f"{stage}.mixup_alpha / cutmix_alpha must be >= 0 (0 turns them off)")
     if not 0.0 < t.mix_prob <= 1.0:
-        raise ConfigError(f"{stage}.mix_prob: {t.mix_prob!r} must be in (0, 1] (the share of batches mixed)")
+        raise ConfigError(f"{stage}.mix_prob: {shown(t.mix_prob)} must be in (0, 1] (the share of batches mixed)")
     if t.global_batch_size % ranks:  # ray.num_workers ranks; 1 with backend local
         raise ConfigError(f"{stage}.global_batch_size: {t.global_batch_size} is not divisible by "
                           f"ray.num_workers={ranks} (each worker gets an equal share)")
@@ -488,7 +490,7 @@ def _check_time_budget(stage: str, t: TrainConfig) -> None:
     _positive(f"{stage}.time_budget_minutes", t.time_budget_minutes)
     if t.warmup_epochs < PLAN_AFTER_EPOCHS:
         raise ConfigError(f"{stage}.time_budget_minutes needs {stage}.warmup_epochs >= {PLAN_AFTER_EPOCHS}, "
-                          f"got {t.warmup_epochs!r}: the run's length is fixed at the end of the warm-up, by "
+                          f"got {shown(t.warmup_epochs)}: the run's length is fixed at the end of the warm-up, by "
                           f"the pace of its epochs after the first")
     problem = unplanned(stage, t.epochs, t.warmup_epochs, int(t.warmup_epochs))  # the driver checks it exactly
     if problem:
@@ -531,10 +533,11 @@ def _check_export_and_ray(p: Params) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if p.ray.backend == "local" and p.ray.storage_path and is_url(p.ray.storage_path):
-        raise ConfigError(f"ray.storage_path: {p.ray.storage_path!r} with ray.backend: local: the local runner writes "
-                          f"checkpoints to a local directory (null: .ray_results); object storage needs backend: ray")
+        raise ConfigError(f"ray.storage_path: {shown(p.ray.storage_path)} with ray.backend: local: the local runner "
+                          f"writes checkpoints to a local directory (null: .ray_results); object storage needs "
+                          f"backend: ray")
     if p.ray.loader_workers is not None and p.ray.loader_workers < 0:
-        raise ConfigError(f"ray.loader_workers: {p.ray.loader_workers!r} must be >= 0 (0: load in the training "
+        raise ConfigError(f"ray.loader_workers: {shown(p.ray.loader_workers)} must be >= 0 (0: load in the training "
                           f"process) or null (ray.cpus_per_worker - 1)")
     _positive("evaluate.batch_size", p.evaluate.batch_size)
     from pipeline.inference import TTA_VIEWS
@@ -544,7 +547,7 @@ def _check_export_and_ray(p: Params) -> None:
     _positive("export.num_images", p.export.num_images)
     _non_negative("export.max_abs_diff", p.export.max_abs_diff)  # else no export ever passes its check
     if not 0.0 <= p.export.min_top1_agreement <= 1.0:
-        raise ConfigError(f"export.min_top1_agreement: {p.export.min_top1_agreement!r} must be in [0, 1] "
+        raise ConfigError(f"export.min_top1_agreement: {shown(p.export.min_top1_agreement)} must be in [0, 1] "
                           f"(the share of images whose top-1 class the format keeps)")
     for k in ("gpus_per_worker", "max_failures", "resource_wait_s"):
         _non_negative(f"ray.{k}", getattr(p.ray, k))
@@ -559,7 +562,8 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
 
 def _read_yaml(path: str | os.PathLike, missing: str | None = None) -> Any:
     """The YAML document in ``path``. A file that is missing (``missing``: what to say then), unreadable, not
-    UTF-8, not YAML, or that sets a key twice is a :class:`ConfigError` naming it."""
+    UTF-8, not YAML, too large once its aliases are expanded, or that sets a key twice is a
+    :class:`ConfigError` naming it."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -568,17 +572,53 @@ def _read_yaml(path: str | os.PathLike, missing: str | None = None) -> Any:
     except OSError as exc:
         why = missing if missing and isinstance(exc, FileNotFoundError) else f"cannot read it ({exc.strerror})"
         raise ConfigError(f"{path}: {why}") from None
+    try:
+        return safe_yaml(text, str(path))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(exc)})") from None
+
+
+# What aliases may add to a params file (which has a few hundred values): anchors whose lists repeat other
+# aliases (an "alias bomb") expand a few lines to billions, and every walk or message of the value would.
+MAX_ALIAS_VALUES = 100_000
+
+
+def safe_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)``, refusing what it would read silently or without bound: a key set twice,
+    aliases that expand the document by more than :data:`MAX_ALIAS_VALUES` values, or nesting too deep
+    (a :class:`ConfigError` starting with ``where``). Invalid YAML raises ``yaml.YAMLError``."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
-        _check_unique_keys(node, "", str(path), set())
+        sizes: dict[int, float] = {}
+        if _expanded_size(node, sizes) - len(sizes) > MAX_ALIAS_VALUES:
+            raise ConfigError(f"{where}: its aliases (*name) expand it by more than {MAX_ALIAS_VALUES:,} values; "
+                              f"write the values out, or repeat fewer aliases")
+        _check_unique_keys(node, "", where, set())
         return loader.construct_document(node)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(exc)})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply (lists or mappings hundreds of levels within each "
+                          f"other); params nest a few levels") from None
     finally:
         loader.dispose()
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, float]) -> float:
+    """The values in ``node`` with each alias counted as a copy of its anchor's, as a walk of the loaded
+    value meets them, in one visit of each node: ``sizes`` holds the nodes counted (-1 while counting one:
+    an alias within its own anchor repeats it endlessly)."""
+    if id(node) in sizes:
+        return sizes[id(node)] if sizes[id(node)] >= 0 else math.inf
+    sizes[id(node)] = -1
+    children: list = []
+    if isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    sizes[id(node)] = 1 + sum(_expanded_size(child, sizes) for child in children)
+    return sizes[id(node)]
 
 
 def _check_unique_keys(node: yaml.Node, key: str, path: str, seen: set[int]) -> None:

@@ -4,9 +4,19 @@
 
 ``--model`` is an export directory, or a registered version (``models:/vit-pipeline@champion``,
 ``models:/vit-pipeline/3``) whose export files are fetched from its MLflow run ($MLFLOW_TRACKING_URI).
-Prints ``path<TAB>class<TAB>probability`` per image. A missing or non-image file, an image too large
-to decode safely (over Pillow's decompression-bomb limit, 179 Mpx), or a directory with no image
-files, gets an ``error:`` line on stderr and the others still run.
+
+Prints ``path<TAB>class<TAB>probability`` per image; a path or class name with a tab, a line break or
+another control character, or that starts with ``"``, is printed as a JSON string (``"a\\nb.jpg"``), so
+each line is one image. ``--json``: one JSON object per line instead (``file``, ``class``, ``index``,
+``score``). A photo is turned as its EXIF orientation says, as the shard stage stores it for training.
+A missing or non-image file, an image too large to decode safely (over Pillow's decompression-bomb
+limit, 179 Mpx), or a directory with no image files, gets an ``error:`` line on stderr and the others
+still run.
+
+Trust: ``onnx`` (the default) and ``safetensors`` files are data, read without running anything of
+theirs. A ``torchscript`` file is a program, and so is an MLflow pyfunc model (what the export stage
+registers, loaded with ``mlflow.pyfunc.load_model``): loading or running one runs whatever code it
+holds. Use those only from sources you trust.
 
 Exit codes:
   0  every input was classified
@@ -30,12 +40,12 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from pipeline.data.pixels import IMAGE_EXTS, eight_bit
+from pipeline.data.pixels import IMAGE_EXTS, eight_bit, upright
 from pipeline.data.transforms import eval_augment, eval_transform
 from pipeline.metrics import predicted_class
 from pipeline.model.io import ModelFileError, load_model, read_model_file
 from pipeline.registry import MODEL_URI, download_export  # imports MLflow only when it downloads
-from pipeline.utils import CONFIG_NAME, EXPORTS, error_summary, positive_int
+from pipeline.utils import CONFIG_NAME, EXPORTS, error_summary, positive_int, shown
 
 MODEL_FILES = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "safetensors": "model.safetensors"}
 CONFIG_KEYS = ("classes", "image_size", "normalize")  # what predict reads from the export's config.json
@@ -66,9 +76,9 @@ def read_config(path: Path) -> dict:
                              f"config.json; {REEXPORT}")
     classes, size = meta["classes"], meta["image_size"]
     if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
-        raise ModelFileError(f"{path}: classes is {classes!r}, not a list of class names; {REEXPORT}")
+        raise ModelFileError(f"{path}: classes is {shown(classes)}, not a list of class names; {REEXPORT}")
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise ModelFileError(f"{path}: image_size is {size!r}, not a positive whole number of pixels; {REEXPORT}")
+        raise ModelFileError(f"{path}: image_size is {shown(size)}, not a positive whole number of pixels; {REEXPORT}")
     return meta
 
 
@@ -139,13 +149,14 @@ class Predictor:
         self._run = load_file(self.model_file, RUNNERS[fmt])
 
     def preprocess(self, path: Path) -> torch.Tensor:
-        """The image as the model takes it, a 16-bit one by its high byte as in training (PIL's RGB
-        conversion would clip it at 255). Pillow's warning for an image of 89-179 Mpx is silenced (it is
-        resized like any other); a larger one raises Image.DecompressionBombError, a failed input."""
+        """The image as the model takes it, as the shard stage stores it for training: turned as its EXIF
+        orientation says, a 16-bit one by its high byte (PIL's RGB conversion would clip it at 255).
+        Pillow's warning for an image of 89-179 Mpx is silenced (it is resized like any other); a larger
+        one raises Image.DecompressionBombError, a failed input."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(path) as img:
-                return self.transform(eight_bit(img).convert("RGB"))
+                return self.transform(eight_bit(upright(img)).convert("RGB"))
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -164,15 +175,34 @@ class Predictor:
 
 def parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__[__doc__.index("Exit codes:"):],
+                                 epilog=__doc__[__doc__.index("Prints "):],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", help="image files or directories")
     ap.add_argument("--model", default=str(EXPORTS), help="export directory: its config.json and model.<format> "
                     "(default: exports, written by the export stage), or a registered version: "
                     "models:/<name>@<alias> or models:/<name>/<version>")
-    ap.add_argument("--format", default="onnx", choices=list(RUNNERS))
+    ap.add_argument("--format", default="onnx", choices=list(RUNNERS),
+                    help="onnx (default) or safetensors: data; torchscript runs the file's code (see Trust below)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per image and line: file, class, index, "
+                    "score")
     ap.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass (default: 64)")
     return ap.parse_args(argv)
+
+
+def field(text: object) -> str:
+    """``text`` for one field of a plain output or error line: as it is, or as a JSON string where it would
+    break the line (a tab, a line break, another control character), could not be printed (a file name's
+    undecodable bytes) or would read as one (a leading ``"``)."""
+    text = str(text)
+    if text.startswith('"') or any(c < " " or c == "\x7f" or "\udc80" <= c <= "\udcff" for c in text):
+        return json.dumps(text)
+    return text
+
+
+def result_line(path: Path, name: str, index: int, score: float, as_json: bool) -> str:
+    if as_json:
+        return json.dumps({"file": str(path), "class": name, "index": index, "score": round(score, 6)})
+    return f"{field(path)}\t{field(name)}\t{score:.4f}"
 
 
 def gather(paths: list[str]) -> tuple[list[Path], int]:
@@ -181,7 +211,7 @@ def gather(paths: list[str]) -> tuple[list[Path], int]:
     for path in map(Path, paths):
         found = image_files(path)
         if not found:
-            print(f"error: {path}: no image files in this directory (looked for "
+            print(f"error: {field(path)}: no image files in this directory (looked for "
                   f"{', '.join(sorted(IMAGE_EXTS))})", file=sys.stderr)
             empty += 1
         files += found
@@ -203,13 +233,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.predict"
                 tensors.append(predictor.preprocess(path))
                 good.append(path)
             except FileNotFoundError:
-                print(f"error: {path}: no such file", file=sys.stderr)
+                print(f"error: {field(path)}: no such file", file=sys.stderr)
                 failed += 1
             except Image.DecompressionBombError as exc:
-                print(f"error: {path}: too large to decode ({exc})", file=sys.stderr)
+                print(f"error: {field(path)}: too large to decode ({exc})", file=sys.stderr)
                 failed += 1
             except (UnidentifiedImageError, OSError, ValueError) as exc:
-                print(f"error: {path}: not a readable image ({type(exc).__name__}: {exc})", file=sys.stderr)
+                print(f"error: {field(path)}: not a readable image ({error_summary(exc)})", file=sys.stderr)
                 failed += 1
         if tensors:
             try:
@@ -218,7 +248,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.predict"
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
             for path, i, c in zip(good, idx, conf):
-                print(f"{path}\t{predictor.classes[i]}\t{c:.4f}", flush=True)
+                print(result_line(path, predictor.classes[i], int(i), float(c), args.json), flush=True)
     if failed:
         print(f"{failed} input(s) failed; {len(files)} image file(s) found", file=sys.stderr)
     return 1 if failed else 0

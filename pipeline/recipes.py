@@ -14,7 +14,8 @@ import sys
 
 import yaml
 
-from pipeline.config import ConfigError, Params, flatten, load_params, read_partial_params, yaml_problem
+from pipeline.config import (ConfigError, Params, flatten, load_params, read_partial_params, safe_yaml,
+                             yaml_problem)
 
 
 def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object]:
@@ -39,7 +40,7 @@ def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object
         if not eq or not key:
             raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set model.depth=6")
         try:
-            flat[key] = yaml.safe_load(value)
+            flat[key] = safe_yaml(value, f"--set {key}")
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {item}: the value is not valid YAML ({yaml_problem(exc)})") from None
     return flat
@@ -101,8 +102,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m pipeline.recipes"
     except ConfigError as exc:  # names the recipe or the --set
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with open(args.params) as f:
-        present = set(flatten(yaml.safe_load(f) or {}))
+    present = set(flatten(read_partial_params(args.params)))
     args_out = []
     for k, v in overrides.items():
         if isinstance(v, dict) and override_key(k, present) == k:  # replace the dict whole, not merge into it

@@ -8,6 +8,7 @@ import gc
 import io
 import json
 import os
+import reprlib
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +50,20 @@ def error_summary(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     first = lines[0][:200] if lines else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+SHOWN_CHARS = 120  # the most of a value an error message echoes
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 3, SHOWN_CHARS, SHOWN_CHARS, SHOWN_CHARS
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 10
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, at most :data:`SHOWN_CHARS` long: a value read from a file can be
+    megabytes long. reprlib shortens long strings and lists inside ("...") without writing all of it out
+    first; what is still too long ends in "…"."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 1] + "…"
 
 
 def freeze_heap_at_exit() -> None:

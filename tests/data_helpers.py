@@ -94,3 +94,17 @@ def make_fake_cifar(root: Path, hundred=False, per_file=20, seed=0) -> Path:
     with open(d / meta, "wb") as fh:
         pickle.dump({names_key.encode(): [f"c{i}".encode() for i in range(n_cls)]}, fh)
     return root
+
+
+def sideways_photo(path: Path, fmt: str) -> np.ndarray:
+    """A portrait photo (16 wide, 24 tall, a red band along its top) saved as a phone saves one: its pixels
+    turned a quarter counter-clockwise and an EXIF orientation of 6 (show it turned a quarter clockwise).
+    Returns the upright pixels."""
+    from PIL import Image
+    upright = np.zeros((24, 16, 3), np.uint8)
+    upright[:6] = (250, 30, 30)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    quality = {"quality": 95} if fmt == "JPEG" else {}
+    Image.fromarray(np.rot90(upright).copy()).save(path, fmt, exif=exif, **quality)
+    return upright

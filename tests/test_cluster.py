@@ -307,6 +307,47 @@ def test_local_stage_beside_another_ray_finds_its_own_state_api(ray_head, env_fa
     assert not tracebacks(proc.stderr)
 
 
+_STAGE_RAY = """
+import json, os, time, psutil, ray
+from pipeline.cluster import init_ray
+from pipeline.config import RayConfig
+init_ray(RayConfig(num_workers=2))
+ray.get([ray.remote(lambda: os.getpid()).options(num_cpus=1).remote() for _ in range(2)])  # the workers too
+procs = [psutil.Process()] + psutil.Process().children(recursive=True)
+listening = set()
+for p in procs:
+    listening |= {(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections("inet")
+                  if c.status == psutil.CONN_LISTEN}
+print(json.dumps({"listening": sorted(listening), "pids": [p.pid for p in procs[1:]]}), flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.slow
+def test_stage_ray_listens_on_loopback_only_and_ends_with_a_killed_stage(env_factory):
+    """A stage's own Ray (2 workers): every process of it listens on 127.0.0.1 only (its GCS, raylet and
+    workers listened on every interface); after the stage is killed with SIGKILL, none of them is left
+    (its dashboard and runtime-env agents stayed, orphaned, ignoring SIGTERM)."""
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", _STAGE_RAY], cwd=ROOT, env=env_factory(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:] if proc.poll() is not None else "no report"
+        report = json.loads(line)
+        names = {name for name, _, _ in report["listening"]}
+        assert {"gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names, report
+        public = [s for s in report["listening"] if s[1] not in ("127.0.0.1", "::ffff:127.0.0.1")]
+        assert not public, public
+        ray_procs = [psutil.Process(pid) for pid in report["pids"] if psutil.pid_exists(pid)]
+    finally:
+        proc.kill()
+        proc.wait()
+    gone, alive = psutil.wait_procs(ray_procs, timeout=30)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+
+
 @pytest.mark.slow
 def test_stop_frees_the_head_ports(ray_head):
     """Runs last in this module: stop the head explicitly, check that its ports are released. In a

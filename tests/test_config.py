@@ -434,3 +434,73 @@ def test_params_file_named_by_vit_params_names_the_variable(tmp_path, monkeypatc
     (tmp_path / "cluster.yaml").write_text("model:\n  depth: x\n")
     with pytest.raises(ConfigError, match=rf"^\$VIT_PARAMS: {tmp_path / 'cluster.yaml'}: model.depth: expected"):
         load_stage_params()
+
+
+def _alias_bomb(levels: int) -> str:
+    """A "billion laughs" list under data.finetune.class_names: 10**levels strings once its aliases expand,
+    a few hundred bytes of YAML."""
+    rows = ['      - &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    rows += [f"      - &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "data:\n  finetune:\n    class_names:\n" + "\n".join(rows) + "\n"
+
+
+BOMB_CHILD = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a regression fails here, not on the machine
+from pipeline.config import ConfigError, load_params
+start = time.monotonic()
+try:
+    load_params(sys.argv[1])
+except ConfigError as exc:
+    peak = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]  # kB; ru_maxrss
+    print(repr(str(exc)), time.monotonic() - start, peak)  # would be the parent's, kept across exec
+"""
+
+
+@pytest.mark.parametrize("levels", [5, 9])
+def test_alias_bomb_is_refused_quickly_in_bounded_memory(tmp_path, levels):
+    """Aliases that expand a few hundred bytes to 10**9 values: refused before anything walks or prints the
+    value, in a line naming the file (a message echoed the whole value, gigabytes of it)."""
+    path = tmp_path / "params.yaml"
+    path.write_text(_alias_bomb(levels))
+    child = subprocess.run([sys.executable, "-c", BOMB_CHILD, str(path)], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)
+    assert child.returncode == 0 and child.stdout, child.stderr[-2000:]
+    message, seconds, peak_kb = child.stdout.rsplit(" ", 2)
+    message = eval(message)
+    assert message == (f"{path}: its aliases (*name) expand it by more than 100,000 values; write the values "
+                       f"out, or repeat fewer aliases")
+    assert float(seconds) < 5 and int(peak_kb) < 200 * 1024
+
+
+def test_aliases_and_merge_keys_within_the_limit_still_load(tmp_path):
+    """What anchors are for in a params file: one section's settings reused by another."""
+    path = tmp_path / "params.yaml"
+    path.write_text("pretrain: &train\n  epochs: 3\n  lr: 0.002\nfinetune:\n  <<: *train\n  lr: 0.001\n"
+                    "evaluate:\n  resolutions: &sizes [32, 64]\nmodel:\n  preset: nano\n")
+    p = load_params(path)
+    assert (p.finetune.epochs, p.finetune.lr, p.pretrain.lr) == (3, 0.001, 0.002)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("model:\n  preset: " + "x" * 100_000 + "\n", "model.preset: 'xxxx"),
+    ("data:\n  finetune:\n    class_names: [" + ", ".join(["[a]"] * 2000) + "]\n",
+     "data.finetune.class_names: expected list[str] or null, got [['a'], ['a'], "),
+    ("model:\n  preset: " + "[" * 600 + "]" * 600 + "\n", "nested too deeply"),
+], ids=["long-string", "long-list", "deep"])
+def test_a_long_value_is_echoed_cut_short(tmp_path, text, needle):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_params(path)
+    assert needle in str(err.value) and len(str(err.value)) < 300, str(err.value)[:1000]
+
+
+def test_recipe_set_with_an_alias_bomb_is_one_line(capsys):
+    from pipeline.recipes import main
+
+    bomb = "[" + ", ".join(f"&l{i} [{', '.join([f'*l{i - 1}' if i else 'x'] * 10)}]" for i in range(6)) + "]"
+    argv = [str(ROOT / "configs/cifar10.yaml"), "--params", str(ROOT / "params.yaml")]
+    assert main(argv + ["--set", f"data.finetune.class_names={bomb}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --set data.finetune.class_names: its aliases (*name) expand it") and len(err) < 300

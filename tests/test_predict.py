@@ -225,3 +225,53 @@ def test_the_class_named_is_evaluate_s_argmax_of_the_logits(export_dir):
     idx, conf = predictor(torch.zeros(1))
     assert idx.tolist() == predicted_class(logits).tolist() == [1]
     assert conf[0] == pytest.approx(logits.softmax(-1)[0, 1].item())
+
+
+def test_file_names_that_would_break_a_line_are_json_strings(export_dir, images, capsys):
+    """One line per image whatever its name: a line break or tab in a name printed raw read as two records."""
+    odd = [images / "two\nlines.png", images / "a\ttab.png", images / '"quoted".png']
+    for path in odd:
+        shutil.copy(images / "0.png", path)
+    assert predict.main([str(images), "--model", str(export_dir), "--format", "torchscript"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6 and all(line.count("\t") == 2 for line in lines), lines
+    names = [line.split("\t")[0] for line in lines]
+    shown = {json.loads(n) if n.startswith('"') else n for n in names}
+    assert shown == {str(p) for p in sorted(images.iterdir())}
+    assert str(images / "0.png") in names  # a plain name is printed as it is
+
+
+def test_json_lines_name_file_class_index_and_score(export_dir, images, capsys):
+    shutil.copy(images / "0.png", images / "two\nlines.png")
+    assert predict.main([str(images), "--model", str(export_dir), "--format", "safetensors", "--json"]) == 0
+    out = capsys.readouterr().out
+    plain = predict.main([str(images), "--model", str(export_dir), "--format", "safetensors"])
+    classes = {line.split("\t")[0]: line.split("\t")[1] for line in capsys.readouterr().out.splitlines()}
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert plain == 0 and [r["file"] for r in rows] == [str(p) for p in sorted(images.iterdir())]
+    for row in rows:
+        assert set(row) == {"file", "class", "index", "score"} and CLASSES[row["index"]] == row["class"]
+        assert 1 / len(CLASSES) <= row["score"] <= 1
+        assert classes[predict.field(row["file"])] == row["class"]
+
+
+def test_exif_orientation_is_applied_as_the_shard_stage_does(export_dir, tmp_path):
+    """A phone's portrait photo (stored sideways, tagged to be turned) is classified upright, as the shard
+    stage stores it for training."""
+    from tests.data_helpers import sideways_photo
+
+    predictor = predict.Predictor(export_dir, "safetensors")
+    upright = sideways_photo(tmp_path / "phone.png", "PNG")
+    Image.fromarray(upright).save(tmp_path / "upright.png")
+    Image.fromarray(np.rot90(upright).copy()).save(tmp_path / "sideways.png")
+    assert torch.equal(predictor.preprocess(tmp_path / "phone.png"), predictor.preprocess(tmp_path / "upright.png"))
+    assert not torch.equal(predictor.preprocess(tmp_path / "sideways.png"),
+                           predictor.preprocess(tmp_path / "upright.png"))
+
+
+def test_help_says_which_formats_run_code(capsys):
+    with pytest.raises(SystemExit):
+        predict.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "``onnx`` (the default) and ``safetensors`` files are data" in text
+    assert "Use those only from sources you trust." in text and predict.parse_args(["x"], "p").format == "onnx"

@@ -18,7 +18,7 @@ from pipeline.config import DataConfig
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 from pipeline.data import shard as shard_mod
 from tests.data_helpers import (CIFAR_TGZ, REPO, img_bytes, make_fake_cifar, make_hf_parquet, make_imagefolder,
-                                tar_keys)
+                                sideways_photo, tar_keys)
 
 
 def test_digits_counts_and_each_sample_once(digits_dir):
@@ -851,3 +851,37 @@ def test_column_keys_are_for_the_parquet_source_only():
     with pytest.raises(ConfigError, match=r"data.finetune.label_column: 'labels' would be ignored: only source "
                                           "'parquet' reads it"):
         load_params(REPO / "params.yaml", {"data.finetune.label_column": "labels"})
+
+
+def test_exif_orientation_is_applied_and_other_images_keep_their_bytes(tmp_path):
+    """A photo tagged "turn 90°" trains the right way up in both encodings; images without an orientation
+    tag keep their bytes (the tag of 1, "upright", too)."""
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from pipeline.data import tario
+    from pipeline.data.loader import decode_sample
+    root = make_imagefolder(tmp_path / "in", per_class=3)
+    photos = {"phone.jpg": sideways_photo(root / "cat" / "phone.jpg", "JPEG"),
+              "phone.png": sideways_photo(root / "dog" / "phone.png", "PNG")}
+    exif = Image.Exif()
+    exif[0x0112] = 1
+    Image.open(root / "eel" / "000.jpg").save(root / "eel" / "tagged-upright.jpg", exif=exif)
+    for encoding in ("source", "raw"):
+        out = tmp_path / encoding
+        info = shard_dataset(out, DataConfig(source="imagefolder", root=root, encoding=encoding, val_fraction=0,
+                                             test_fraction=0))
+        manifest = pq.read_table(out / "manifest.parquet", columns=["key", "source_path"]).to_pydict()
+        source_of = dict(zip(manifest["key"], manifest["source_path"]))
+        samples = {s["__key__"]: s for s in tario.tarfile_samples(
+            [{"url": str(out / sh["name"])} for sh in info["shards"]["train"]])}
+        for key, sample in samples.items():
+            name = Path(source_of[key]).name
+            img = decode_sample(sample)[0].permute(1, 2, 0).numpy()
+            if name in photos:
+                assert img.shape == (24, 16, 3), (encoding, name)  # upright: taller than wide
+                top, rest = img[:4].reshape(-1, 3).mean(0), img[10:].astype(int)  # JPEG blurs the band's edge
+                assert np.abs(top - photos[name][0, 0]).max() < 12 and rest.max() < 40, (encoding, name)
+            elif encoding == "source" and name.endswith((".jpg", ".png")):  # BMPs become PNGs
+                stored = next(v for k, v in sample.items() if k in ("jpg", "png"))
+                assert stored == (root / source_of[key]).read_bytes(), name

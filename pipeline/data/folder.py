@@ -1,7 +1,7 @@
 """``imagefolder`` source: ``root/<class>/<image>`` or ``root/{train,val,test}/<class>/<image>``.
 
 Original JPEG/PNG bytes are kept (no re-encode, so no generation loss); the writer only checks
-that each file decodes.
+that each file decodes, and turns a photo whose EXIF orientation says it is stored sideways.
 """
 from __future__ import annotations
 

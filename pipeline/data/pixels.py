@@ -1,15 +1,17 @@
-"""Deep images as 8-bit pixels: the one rule the shard stage and ``vit-pipeline predict`` share, so a
-model serves on the pixels it was trained on (kept light: predict imports it)."""
+"""Deep images as 8-bit pixels, and photos the right way up: the rules the shard stage and
+``vit-pipeline predict`` share, so a model serves on the pixels it was trained on (kept light: predict
+imports it)."""
 from __future__ import annotations
 
 import re
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 # The image files the imagefolder source shards and predict reads from a folder.
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 DEEP_GRAY = ("I", "I;16", "I;16B", "I;16L", "I;16N")  # PIL's 16- and 32-bit integer grayscale modes
+EXIF_ORIENTATION = 0x0112  # the tag a camera or phone sets instead of rotating the pixels; 1: upright
 
 
 class BadImage(ValueError):
@@ -36,3 +38,12 @@ def eight_bit(img: Image.Image) -> Image.Image:
         return img
     high = np.asarray(img).astype(np.int64) >> 8  # 32-bit values beyond 16 bits saturate
     return Image.fromarray(np.clip(high, 0, 255).astype(np.uint8), "L")
+
+
+def upright(img: Image.Image) -> Image.Image:
+    """``img`` turned as its EXIF orientation says, as a photo viewer shows it (a phone's portrait photo
+    is stored sideways with a tag saying so), without the tag; ``img`` itself when it has none or 1.
+    torchvision's and timm's ImageFolder ignore the tag: a model trained there on photos saw some sideways."""
+    if img.getexif().get(EXIF_ORIENTATION, 1) == 1:
+        return img
+    return ImageOps.exif_transpose(img)

@@ -10,6 +10,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from pipeline.utils import shown
+
 from .splits import SPLITS, Record
 
 # Directory names a source may give its splits in, and the split each stands for.
@@ -45,7 +47,7 @@ def check_unique(names: Sequence[str], key: str) -> None:
     """Two classes under one name would merge: refused, naming the repeated ones."""
     repeated = sorted(n for n, count in Counter(names).items() if count > 1)
     if repeated:
-        raise ValueError(f"{key} names {repeated} more than once: {list(names)}")
+        raise ValueError(f"{key} names {shown(repeated)} more than once: {shown(list(names))}")
 
 
 def check_labels(labels: np.ndarray, classes: Sequence[str], where: str) -> None:

@@ -29,7 +29,7 @@ from pipeline.utils import BAD_FILES, DATASET_INFO, MANIFEST, apply_umask
 
 from .codec import decode, encode_ppm
 from .parquet_source import SpoolFull
-from .pixels import BadImage, bad_image_reason, eight_bit
+from .pixels import BadImage, bad_image_reason, eight_bit, upright
 from .sources import list_source
 from .splits import EMPTY_SPLIT_EFFECT, SPLITS, Record, SourceListing, why_empty
 
@@ -74,8 +74,9 @@ def stats_from_histogram(hist: np.ndarray) -> dict:
 def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding: str = "source"):
     """Return (extension, bytes, pixel histogram or None) for one record; raise BadImage if it does not decode.
 
-    Encoded JPEG/PNG inputs are verified by a full decode but written unchanged unless
-    ``max_side`` forces a downscale; arrays are PNG-encoded (lossless). ``encoding="raw"``: instead,
+    Encoded JPEG/PNG inputs are verified by a full decode but written unchanged unless ``max_side``
+    forces a downscale or an EXIF orientation tag turns them (:func:`.pixels.upright`: re-encoded the
+    right way up, the loader ignores the tag); arrays are PNG-encoded (lossless). ``encoding="raw"``: instead,
     the pixels the loader would decode from those bytes, as binary PPM. ``stats`` adds the
     :func:`pixel_histogram` of the stored image (for ``augment.mean/std: dataset``).
     """
@@ -91,6 +92,9 @@ def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding:
         except Exception as exn:  # PIL raises many types for corrupt/truncated data
             raise BadImage(bad_image_reason(exn, rec.source_path)) from exn
         raw = data
+        turned = upright(img)
+        if turned is not img:
+            img, raw = turned, None
     img = eight_bit(img)  # a 16-bit PNG's bytes stay as they are: the loader decodes the same high bytes
     if max_side and max(img.size) > max_side:
         img = img.copy()

@@ -10,6 +10,8 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from pipeline.utils import shown
+
 SPLITS = ("train", "val", "test")
 
 
@@ -87,7 +89,7 @@ def check_fraction(key: str, value: float) -> None:
     The one definition of that range: the params check and the shard stage both call this.
     """
     if not 0.0 <= value < 1.0:
-        raise ValueError(f"{key}: {value!r} must be in [0, 1)")
+        raise ValueError(f"{key}: {shown(value)} must be in [0, 1)")
 
 
 EMPTY_SPLIT_EFFECT = {"val": "training's val_loss / val_top1 (and keep: best) have nothing to measure",
