@@ -80,7 +80,7 @@ def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress
                  launches=progress.launches, rng=rngs, **extra)
     tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=STAGING_SUFFIX, dir=ctx.staging_dir))
     try:
-        torch.save(state, tmp / STATE_FILE)
+        write_state(state, tmp / STATE_FILE)
         ctx.report(metrics, str(tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when the runner moved it
@@ -92,6 +92,22 @@ REQUIRED = ("model", "rng", "selection", "epoch", "batch_in_epoch", "step", "his
 
 class CheckpointError(ValueError):
     """A run's state.pt that is not a checkpoint this pipeline wrote (see :func:`load_state`)."""
+
+
+def write_state(state: dict, path: Path) -> None:
+    """torch.save through a Python file: a failed write (a full disk, a read-only mount) is then the OSError
+    with its errno, naming ``path``, not torch's own ``basic_ios::clear: iostream error`` (torch may raise
+    its own error on closing the archive after the write failed: the OSError is that one's context)."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as exc:
+        cause = exc
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"cannot write a checkpoint: {cause.strerror}", str(path)) from None
 
 
 def load_state(checkpoint_dir: str | Path, *, mmap: bool = False) -> dict:
