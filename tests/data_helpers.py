@@ -1,7 +1,10 @@
 """Helpers shared by the data tests: read tar keys back, build small source datasets in tmp_path."""
 from __future__ import annotations
 
+import io
 import json
+import pickle
+import struct
 import tarfile
 from pathlib import Path
 
@@ -72,9 +75,37 @@ def make_hf_parquet(d: Path, n=24, classes=("ant", "bee", "cow"), seed=0) -> Pat
     return d
 
 
-def make_fake_cifar(root: Path, hundred=False, per_file=20, seed=0) -> Path:
-    """The real python-pickle layout (bytes keys, uint8 rows of 3072 in CHW order)."""
-    import pickle
+class _Python2Pickler(pickle._Pickler):
+    """Protocol 2 with bytes and str as Python 2's ``str`` (BINSTRING): how the CIFAR release was pickled."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def save_bytes(self, obj: bytes) -> None:
+        n = len(obj)
+        self.write(pickle.SHORT_BINSTRING + bytes([n]) if n < 256 else pickle.BINSTRING + struct.pack("<i", n))
+        self.write(obj)
+        self.memoize(obj)
+
+    def save_str(self, obj: str) -> None:  # Python 2's str literals (numpy's dtype codes among them): bytes too
+        self.save_bytes(obj.encode("latin-1"))
+
+    dispatch[bytes], dispatch[str] = save_bytes, save_str
+
+
+def cifar_pickle(obj, fh, python2: bool = False) -> None:
+    """``obj`` pickled into ``fh``: as this Python does by default, or (``python2``) as the release is, by
+    Python 2 with numpy 1's module names."""
+    if not python2:
+        pickle.dump(obj, fh)
+        return
+    buf = io.BytesIO()
+    _Python2Pickler(buf, protocol=2).dump(obj)
+    fh.write(buf.getvalue().replace(b"cnumpy._core.multiarray\n", b"cnumpy.core.multiarray\n"))
+
+
+def make_fake_cifar(root: Path, hundred=False, per_file=20, seed=0, python2=False) -> Path:
+    """The real python-pickle layout (bytes keys, uint8 rows of 3072 in CHW order); ``python2``: pickled
+    as the release is (see :func:`cifar_pickle`)."""
     rng = np.random.default_rng(seed)
     if hundred:
         d, n_cls, files, meta = root / "cifar-100-python", 100, ["train", "test"], "meta"
@@ -90,9 +121,9 @@ def make_fake_cifar(root: Path, hundred=False, per_file=20, seed=0) -> Path:
                  [i % n_cls for i in range(n)], b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
                  b"filenames": [f"img_{f}_{i}.png".encode() for i in range(n)]}
         with open(d / f, "wb") as fh:
-            pickle.dump(batch, fh)
+            cifar_pickle(batch, fh, python2)
     with open(d / meta, "wb") as fh:
-        pickle.dump({names_key.encode(): [f"c{i}".encode() for i in range(n_cls)]}, fh)
+        cifar_pickle({names_key.encode(): [f"c{i}".encode() for i in range(n_cls)]}, fh, python2)
     return root
 
 

@@ -70,3 +70,13 @@ def inject_fault(monkeypatch, spec: str) -> None:
     """Make the stages this test runs (with its environment) fail once as ``spec`` says."""
     for key, value in fault_env(spec).items():
         monkeypatch.setenv(key, value)
+
+
+class RunsCode:
+    """Unpickled, it runs ``touch marker``: a file anyone who can write a data or checkpoint folder could plant."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)

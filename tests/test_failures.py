@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -469,3 +470,74 @@ def test_a_restarted_ray_worker_group_resumes_from_the_newest_complete_checkpoin
     assert resumed_from(None) == recorded  # object storage: nothing on this disk to compare
     shutil.rmtree(written)
     assert resumed_from(run_dir) == recorded
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs: a disk that fills for real (a run's checkpoint is over 1 MB). Mounting needs root."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command to make a small disk with")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {proc.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def _refused_before_training(repo) -> str:
+    """The stage's one stderr line, after it stopped before training."""
+    proc = run(["python", "-m", "stages.pretrain"], repo, timeout=300)
+    assert proc.returncode == 1 and "in-process: 1 worker(s)" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    return line
+
+
+@pytest.mark.slow
+def test_a_full_disk_and_a_planted_or_foreign_checkpoint_end_in_one_line(tmp_path, small_disk):
+    """In-process: a checkpoint that does not fit on the disk of ray.storage_path names the file and the
+    cause; then a state.pt planted there (a pickle that would run a command) or one torch cannot read
+    stops the next launch before it trains, naming the file, and nothing in it runs."""
+    import zipfile
+
+    from pipeline.train.context import checkpoint_name
+    from tests.faults import RunsCode
+
+    repo = sharded_short_run(tmp_path / "repo")
+    set_params(repo, **{"ray.backend": "local", "ray.storage_path": str(small_disk)})
+    proc = run(["python", "-m", "stages.pretrain"], repo, timeout=300)
+    assert proc.returncode == 1 and not tracebacks(proc.stderr), proc.stderr[-3000:]
+    (run_dir,) = small_disk.iterdir()
+    line = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: {re.escape(str(run_dir))}/\.checkpoint_[^/]+\.tmp/state\.pt: cannot write a "
+                        r"checkpoint: No space left on device", line), line
+    assert sorted(p.name for p in run_dir.iterdir()) == []  # the half-written checkpoint is gone
+
+    planted, marker = run_dir / checkpoint_name(), tmp_path / "marker"
+    planted.mkdir()
+    torch.save({"model": RunsCode(marker)}, planted / STATE_FILE)
+    assert _refused_before_training(repo) == (
+        f"error: CheckpointError: {planted / STATE_FILE}: not a checkpoint this pipeline wrote: it holds objects "
+        f"other than tensors (posix.system); refusing to unpickle it; remove {planted} to resume from the "
+        f"checkpoint before it")
+    assert not marker.exists()
+    with zipfile.ZipFile(planted / STATE_FILE, "w") as z:
+        z.writestr("notes.txt", "a zip, as torch.save writes, of something else")
+    assert _refused_before_training(repo).startswith(
+        f"error: CheckpointError: {planted / STATE_FILE}: not a checkpoint: torch cannot read it (")
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_a_ray_rank_ends_the_stage_in_one_line(tmp_path, small_disk):
+    """Ray Train: rank 0's checkpoint that does not fit ends the stage with the rank's one line (the path
+    and the cause), after Ray's own report of the rank's traceback."""
+    repo = sharded_short_run(tmp_path / "repo")
+    set_params(repo, **{"ray.storage_path": str(small_disk)})
+    proc = run(["python", "-m", "stages.pretrain"], repo, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: {re.escape(str(small_disk))}/pretrain-\w+/\.checkpoint_[^/]+\.tmp/state\.pt: "
+                        r"cannot write a checkpoint: No space left on device", last), last
+    assert not (repo / "models/pretrain").exists()

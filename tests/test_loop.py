@@ -877,3 +877,52 @@ def test_a_resumed_launch_logs_no_step_twice(digits_dir, tmp_path):
     shutil.rmtree(run_dir / list_checkpoints(str(run_dir))[-1])  # stopped before its last checkpoint
     run_loop(cfg, run, LocalContext(str(run_dir), use_gpu=False, keep=3))
     assert histories() == first
+
+
+def test_checkpoints_hold_only_data_and_a_planted_one_is_refused_unrun(digits_dir, tmp_path):
+    """Checkpoints load with ``weights_only=True`` (every object in them: optimizer, scheduler, fp16 grad
+    scaler, EMA, selection, history, each RNG state) and resume; a state.pt that holds anything else is
+    refused without running it, naming the file; one that torch cannot read is "not a checkpoint"."""
+    import zipfile
+
+    import numpy as np
+
+    from pipeline.train.checkpoint import CheckpointError, load_state, set_rng_state
+    from pipeline.train.context import STATE_FILE, LocalContext, checkpoint_name, latest_checkpoint, list_checkpoints
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.worker import run_loop
+    from tests.faults import RunsCode
+
+    model, run_dir, marker = _model(), tmp_path / "run", tmp_path / "marker"
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), ema_decay=0.99, keep="best", amp="fp16",
+                                   checkpoint_every_steps=2), shard_dir=str(digits_dir), steps_per_epoch=3)
+
+    def train(resume_from=None) -> None:
+        run_loop(cfg, LoopRun(init_state=model.state_dict()), LocalContext(str(run_dir), use_gpu=False, keep=10,
+                                                                           resume_from=resume_from))
+
+    train()
+    states = [load_state(run_dir / name) for name in list_checkpoints(str(run_dir))]
+    assert [(s["epoch"], s["batch_in_epoch"]) for s in states] == [(0, 2), (1, 0)]
+    assert states[-1]["scaler"]["scale"] > 0 and states[-1]["ema"] and states[-1]["selection"]["kept"]
+    set_rng_state(states[0]["rng"][0], torch.device("cpu"))
+    assert np.array_equal(np.random.get_state()[1], states[0]["rng"][0]["numpy"][1].numpy())
+
+    planted = run_dir / checkpoint_name()
+    planted.mkdir()
+    torch.save({**states[-1], "model": RunsCode(marker)}, planted / STATE_FILE)
+    assert latest_checkpoint(str(run_dir)) == str(planted)
+    with pytest.raises(CheckpointError) as refused:
+        train(resume_from=str(planted))
+    assert str(refused.value) == (
+        f"{planted / STATE_FILE}: not a checkpoint this pipeline wrote: it holds objects other than tensors "
+        f"(posix.system); refusing to unpickle it; remove {planted} to resume from the checkpoint before it")
+    assert not marker.exists()
+    with zipfile.ZipFile(planted / STATE_FILE, "w") as z:  # a zip, as torch.save writes, of something else
+        z.writestr("archive/data.pkl", b"")
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(planted / STATE_FILE))}: not a checkpoint: torch "
+                                              r"cannot read it \(.+\); remove "):
+        load_state(planted)
+    torch.save({"model": {}}, planted / STATE_FILE)
+    with pytest.raises(CheckpointError, match=r": not a checkpoint of a training run \(no rng, selection, epoch"):
+        load_state(planted)

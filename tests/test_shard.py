@@ -546,6 +546,34 @@ def test_damaged_cifar_batch_is_named(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+
+def test_cifar_batches_load_as_pickled_and_a_planted_one_is_refused_unrun(tmp_path):
+    """The unpickler admits what numpy's arrays pickle with, as the release has it (Python 2, numpy 1's
+    module names) and as Python 3 writes it at protocol 5; a batch that names anything else, such as a
+    function that runs a command, is refused naming the file, and nothing in it runs."""
+    import pickle
+
+    from tests.data_helpers import cifar_pickle
+    from tests.faults import RunsCode
+
+    release = make_fake_cifar(tmp_path / "release", python2=True)
+    info = shard_dataset(tmp_path / "out", DataConfig(source="cifar", root=release))
+    assert info["classes"] == [f"c{i}" for i in range(10)] and info["counts"]["test"] == 20
+    batch = release / "cifar-10-batches-py" / "data_batch_3"
+    assert b"cnumpy.core.multiarray\n_reconstruct" in batch.read_bytes()
+    with open(batch, "rb") as fh:
+        rows = pickle.load(fh, encoding="bytes")
+    batch.write_bytes(pickle.dumps(rows, protocol=5))
+    assert shard_dataset(tmp_path / "out5", DataConfig(source="cifar", root=release))["counts"] == info["counts"]
+    marker = tmp_path / "marker"
+    with open(batch, "wb") as fh:
+        cifar_pickle({**rows, b"labels": RunsCode(marker)}, fh, python2=True)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(batch))}: not a readable CIFAR python batch \(Unpickling"
+                                         r"Error: it names posix.system, which a CIFAR batch does not hold; refused, "
+                                         r"not run\); extract the CIFAR archive again$"):
+        shard_dataset(tmp_path / "o", DataConfig(source="cifar", root=release))
+    assert not marker.exists() and not (tmp_path / "o").exists()
+
 def test_split_names_beside_train_are_all_splits(tmp_path):
     """``dev/`` names val; a folder or file beside ``train`` that names no split is an error (the split
     folders were read as classes, every image labelled by its split; parquet pooled the given splits)."""

@@ -15,6 +15,7 @@ from pipeline.data.transforms import AUTO_AUGMENTS
 from pipeline.inference import predict_split
 from pipeline.model import load_model
 from pipeline.recipes import recipe_overrides
+from pipeline.train.checkpoint import load_state
 from tests.conftest import ROOT, run_as_on_gpu_box
 
 SCRIPT = "benchmarks/time_to_accuracy.py"
@@ -35,7 +36,7 @@ def checkpointed_epochs(run_dir) -> list[int]:
     """The epoch of each checkpoint a run left (oldest first); fails on a staging folder left behind."""
     names = sorted(p.name for p in run_dir.iterdir() if p.name != "model")
     assert all(n.startswith("checkpoint_") for n in names), names
-    return [torch.load(run_dir / n / "state.pt", weights_only=False)["epoch"] for n in names]
+    return [load_state(run_dir / n)["epoch"] for n in names]
 
 
 @pytest.mark.slow

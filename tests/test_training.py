@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.train.checkpoint import load_state
 from pipeline.train.context import STATE_FILE, checkpoint_name, latest_checkpoint, list_checkpoints
 from pipeline.train.optim import accumulation, param_groups
 from tests.faults import inject_fault
@@ -107,7 +108,7 @@ def test_stopped_run_resumes_failure_recovers_and_new_params_start_fresh(repo, t
 def _plant_checkpoints(repo) -> Path:
     (run_dir,) = [d for d in (repo / ".ray_results").iterdir() if d.name.startswith("pretrain-")]
     recorded = latest_checkpoint(str(run_dir))
-    state = torch.load(Path(recorded) / STATE_FILE, weights_only=False)
+    state = load_state(recorded)
     state.update(batch_in_epoch=11, step=11)
     later = run_dir / checkpoint_name()
     later.mkdir()

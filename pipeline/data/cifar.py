@@ -1,8 +1,9 @@
 """``cifar`` source: the python-pickle releases ``cifar-10-batches-py`` / ``cifar-100-python``.
 
 Batches are unpickled one file at a time (labels pass, then pixels pass) and written in file
-order (the release is already shuffled), as lossless PNG. Only point ``root`` at a trusted copy:
-the format is pickle.
+order (the release is already shuffled), as lossless PNG. The format is pickle, which can call any
+function it names: the unpickler here admits only what numpy's arrays pickle with, so a batch that
+names anything else (a planted one that would run a command) is refused, naming the file.
 """
 from __future__ import annotations
 
@@ -23,13 +24,39 @@ LAYOUTS = {
 EXPECTED = "cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta} or cifar-100-python/{train,test,meta}"
 
 
+def _array_globals() -> dict:
+    """What numpy pickles an array with (``ndarray.__reduce__``, and the buffer form of protocol 5), under
+    the module names of numpy 1 (the release's own) and numpy 2."""
+    rebuild, frombuffer = np.zeros(1).__reduce__()[0], np.zeros(1).__reduce_ex__(5)[0]
+    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    for core in ("numpy.core", "numpy._core"):
+        allowed[(f"{core}.multiarray", "_reconstruct")] = rebuild
+        allowed[(f"{core}.numeric", "_frombuffer")] = frombuffer
+    return allowed
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """A CIFAR batch holds dicts, lists, bytes, numbers and numpy arrays: any other global is refused, not
+    looked up (nor called)."""
+
+    ALLOWED = _array_globals()
+
+    def find_class(self, module: str, name: str):
+        try:
+            return self.ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR batch does not hold; "
+                                         "refused, not run") from None
+
+
 def _unpickle(path: Path, *keys: bytes) -> dict:
-    """A CIFAR python batch holding ``keys``; one cut short by an interrupted download or extraction, or
-    another file under the name, is a ValueError naming it."""
+    """A CIFAR python batch holding ``keys``; one cut short by an interrupted download or extraction,
+    another file under the name, or a pickle that names more than numpy's arrays (:class:`_BatchUnpickler`)
+    is a ValueError naming it."""
     redo = "extract the CIFAR archive again"
     with open(path, "rb") as f:
         try:
-            batch = pickle.load(f, encoding="bytes")
+            batch = _BatchUnpickler(f, encoding="bytes").load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError) as exc:
             raise ValueError(f"{path}: not a readable CIFAR python batch ({type(exc).__name__}: {exc}); {redo}") from None
     missing = [k.decode() for k in keys if not isinstance(batch, dict) or k not in batch]

@@ -3,11 +3,14 @@
 A checkpoint holds everything needed to continue bit-for-bit where the run stopped: weights
 (without DDP's ``module.`` prefix), optimizer, scheduler, grad scaler, EMA, position in the run
 (epoch, batch within the epoch, optimizer step, the epoch's sums so far, a time budget's plan, the
-epochs that resumed launches started in), per-rank RNG states, history and configs.
+epochs that resumed launches started in), per-rank RNG states, history and configs: tensors and plain
+values only, which ``torch.load(weights_only=True)`` reads without running any code from the file.
 """
 from __future__ import annotations
 
+import pickle
 import random
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -27,7 +30,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def rng_state(device: torch.device) -> dict:
     """The rank's RNG states; on a GPU also the device's generator (dropout and drop-path draw from it)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    name, key, *rest = np.random.get_state()  # its key, an ndarray, as a tensor: weights_only loads no ndarray
+    state = {"torch": torch.get_rng_state(), "numpy": (name, torch.from_numpy(key.astype(np.int64)), *rest),
+             "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -35,7 +40,8 @@ def rng_state(device: torch.device) -> dict:
 
 def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:  # absent when the run was checkpointed on a CPU
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -74,14 +80,62 @@ def save_and_report(metrics: dict, *, ctx: TrainContext, objects: dict, progress
                  launches=progress.launches, rng=rngs, **extra)
     tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=STAGING_SUFFIX, dir=ctx.staging_dir))
     try:
-        torch.save(state, tmp / STATE_FILE)
+        write_state(state, tmp / STATE_FILE)
         ctx.report(metrics, str(tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when the runner moved it
 
 
-def load_state(checkpoint_dir: str | Path) -> dict:
-    return torch.load(Path(checkpoint_dir) / STATE_FILE, map_location="cpu", weights_only=False)
+# what restoring a run reads from a checkpoint (save_and_report writes them)
+REQUIRED = ("model", "rng", "selection", "epoch", "batch_in_epoch", "step", "history", "planned_epochs", "epoch_sums")
+
+
+class CheckpointError(ValueError):
+    """A run's state.pt that is not a checkpoint this pipeline wrote (see :func:`load_state`)."""
+
+
+def write_state(state: dict, path: Path) -> None:
+    """torch.save through a Python file: a failed write (a full disk, a read-only mount) is then the OSError
+    with its errno, naming ``path``, not torch's own ``basic_ios::clear: iostream error`` (torch may raise
+    its own error on closing the archive after the write failed: the OSError is that one's context)."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as exc:
+        cause = exc
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"cannot write a checkpoint: {cause.strerror}", str(path)) from None
+
+
+def load_state(checkpoint_dir: str | Path, *, mmap: bool = False) -> dict:
+    """A checkpoint's state, read with ``weights_only=True`` (``mmap``: tensors mapped, not read, to check
+    a file cheaply). Anyone who can write to ``ray.storage_path`` could plant a state.pt whose pickle
+    runs code; one that holds anything but tensors and plain values, or that torch cannot read, or
+    without a checkpoint's entries, is a :class:`CheckpointError` naming it, and the run stops there:
+    it does not fall back on its own to the checkpoint before it, since a file the run did not write is
+    for its owner to look at; the message says how to fall back (remove the checkpoint's folder)."""
+    path = Path(checkpoint_dir) / STATE_FILE
+    fix = f"remove {path.parent} to resume from the checkpoint before it"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL (\S+)", str(exc))  # torch's refusal names the global the pickle wanted
+        if found:
+            raise CheckpointError(f"{path}: not a checkpoint this pipeline wrote: it holds objects other than "
+                                  f"tensors ({found[1]}); refusing to unpickle it; {fix}") from None
+        raise CheckpointError(f"{path}: not a checkpoint: its pickle is damaged; {fix}") from None
+    except (RuntimeError, EOFError, ValueError) as exc:
+        if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc):
+            raise  # a good checkpoint too big for this machine's memory: not the file's fault
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: not a checkpoint: torch cannot read it ({detail}); {fix}") from None
+    missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: not a checkpoint of a training run (no {', '.join(missing)}); {fix}")
+    return state
 
 
 def restore(objects: dict, *, ctx: TrainContext) -> Progress | None:

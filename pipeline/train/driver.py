@@ -203,6 +203,8 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
     storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
     remote = storage_fs is not None or storage.is_url(storage_path)
     run_dir = None if remote else str(Path(storage_path) / spec.run_name)
+    if run_dir and (resume_from := latest_checkpoint(run_dir)):
+        load_state(resume_from, mmap=True)  # one the ranks would refuse, refused once here and not on each retry
     run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=configured_uri(), run_dir=run_dir,
                   step_hooks=step_hooks_from_env() + tuple(step_hooks))
     loop, world = spec.loop, params.ray.world_size
