@@ -22,6 +22,7 @@ from pipeline.plots import plot_history
 from pipeline import storage
 from pipeline.pipeline_run import finetune_init, trainer_of
 from pipeline.tracking import stage_params, stage_run
+from pipeline.train.checkpoint import refused_global
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
 from pipeline.utils import (CONFIG_NAME, MODELS, PLOTS, PRETRAINED, atomic_write_json, history_path, metrics_path,
@@ -264,7 +265,7 @@ def _load_pt(path: Path, redo: str) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        if "Unsupported global" not in str(exc):  # not a pickle of other objects: bytes torch.save never wrote
+        if refused_global(exc) is None:  # not a pickle of other objects: bytes torch.save never wrote
             raise ModelFileError(f"{path}: cannot be loaded, the file is corrupt, incomplete or not written by "
                                  f"torch.save; {redo}") from None
         raise ModelFileError(f"{path} holds more than weights (a training checkpoint, such as a run's state.pt?), "

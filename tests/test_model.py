@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -668,6 +669,14 @@ def test_finetune_init_files_that_hold_no_weights_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'state.pt'} holds more than weights \(a training "
                                          "checkpoint"):
         start("state.pt")
+    class Planted:  # a pickle that runs a command when loaded: refused as more than weights, never run
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+
+    torch.save({"model": Planted()}, tmp_path / "planted.pt")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'planted.pt'} holds more than weights"):
+        start("planted.pt")
+    assert not (tmp_path / "ran").exists()
     (tmp_path / "noise.pt").write_bytes(bytes(range(7, 207)))  # no pickle at all: damaged, not a checkpoint
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'noise.pt'}: cannot be loaded, the file is corrupt, "
                                          "incomplete or not written by torch.save; finetune.init must name"):

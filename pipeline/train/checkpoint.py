@@ -94,6 +94,13 @@ class CheckpointError(ValueError):
     """A run's state.pt that is not a checkpoint this pipeline wrote (see :func:`load_state`)."""
 
 
+def refused_global(exc: pickle.UnpicklingError) -> str | None:
+    """The global a ``weights_only`` load refused (torch names it in both of its wordings: a global not
+    allowed, and one of a blocked module such as ``posix``); None for a pickle that is only damaged."""
+    found = re.search(r"GLOBAL (\S+)", str(exc))
+    return found[1] if found else None
+
+
 def write_state(state: dict, path: Path) -> None:
     """torch.save through a Python file: a failed write (a full disk, a read-only mount) is then the OSError
     with its errno, naming ``path``, not torch's own ``basic_ios::clear: iostream error`` (torch may raise
@@ -122,10 +129,10 @@ def load_state(checkpoint_dir: str | Path, *, mmap: bool = False) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"GLOBAL (\S+)", str(exc))  # torch's refusal names the global the pickle wanted
+        found = refused_global(exc)
         if found:
             raise CheckpointError(f"{path}: not a checkpoint this pipeline wrote: it holds objects other than "
-                                  f"tensors ({found[1]}); refusing to unpickle it; {fix}") from None
+                                  f"tensors ({found}); refusing to unpickle it; {fix}") from None
         raise CheckpointError(f"{path}: not a checkpoint: its pickle is damaged; {fix}") from None
     except (RuntimeError, EOFError, ValueError) as exc:
         if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc):
