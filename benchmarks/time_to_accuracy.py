@@ -55,7 +55,7 @@ from pipeline.train.context import local_device  # noqa: E402
 from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noqa: E402
 from pipeline.train.driver import TrainingDiverged, check_stage, fit  # noqa: E402
 from pipeline.train.selection import THRESHOLDS  # noqa: E402
-from pipeline.training import (check_finetune_init, load_finetune_start, model_meta, plan_stage,  # noqa: E402
+from pipeline.train.stage import (check_finetune_init, load_finetune_start, model_meta, plan_stage,  # noqa: E402
                                pretrain_start, stage_summary)
 from pipeline.utils import atomic_write_text  # noqa: E402
 

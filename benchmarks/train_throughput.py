@@ -41,7 +41,7 @@ from pipeline.model import build_model  # noqa: E402
 from pipeline.recipes import load_recipe_params  # noqa: E402
 from pipeline.train.loop_config import LoopConfig  # noqa: E402
 from pipeline.train.step import Stepper  # noqa: E402
-from pipeline.training import plan_stage  # noqa: E402
+from pipeline.train.stage import plan_stage  # noqa: E402
 from pipeline.utils import positive_int  # noqa: E402
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # dense, per GPU

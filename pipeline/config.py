@@ -350,7 +350,7 @@ def _name(key: str, value: str, forbidden: str = "") -> None:
 
 
 def _model_check(check, *args) -> None:
-    """Run one of ``ViTConfig``'s own checks (``pipeline.model.config``) with params keys as names."""
+    """Run one of ``ViTConfig``'s own checks (``pipeline.model.vit_config``) with params keys as names."""
     try:
         check(*args)
     except ValueError as exc:
@@ -407,7 +407,7 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
 def _check_model(p: Params) -> None:
     """The architecture, and every resolution the model will see divisible by its patch size."""
     from pipeline.model.build import section_config
-    from pipeline.model.config import POOLS, PRESETS, WEIGHT_INITS, check_divisible, check_heads
+    from pipeline.model.vit_config import POOLS, PRESETS, WEIGHT_INITS, check_divisible, check_heads
     from pipeline.model.convert import LAYOUTS
     from pipeline.model.resample import MODES
 

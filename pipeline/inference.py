@@ -1,6 +1,6 @@
 """One rank's share of an evaluation: what the evaluate stage's Ray tasks run.
 
-Apart from :mod:`pipeline.evaluate` so that a task's fresh process imports torch, the model and the
+Apart from :mod:`pipeline.evaluation` so that a task's fresh process imports torch, the model and the
 eval loader only, not MLflow and matplotlib (about 3 s of every process on a 2-core machine).
 """
 from __future__ import annotations

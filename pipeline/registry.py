@@ -18,7 +18,7 @@ from pipeline.model.io import ModelFileError
 # A stage run's tag naming the fine-tune run that trained the model it used (models/finetune/config.json).
 MODEL_RUN_TAG = "finetune.run_id"
 MODEL_URI = "models:/"  # a registered version: models:/<name>/<version> or models:/<name>@<alias>
-EXPORT_ARTIFACTS = "exports"  # where the export stage logs exports/ in its run (pipeline/export.py)
+EXPORT_ARTIFACTS = "exports"  # where the export stage logs exports/ in its run (pipeline/exporter.py)
 _FIND = "list the versions with `MlflowClient().search_model_versions()`, or set MLFLOW_TRACKING_URI"
 
 

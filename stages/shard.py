@@ -8,7 +8,7 @@ import sys
 from pipeline.cli import run_stage
 from pipeline.config import TRAINING_STAGES, ConfigError, Params
 from pipeline.data import shard_dataset
-from pipeline.data.shard import shard_warnings
+from pipeline.data.shard_writer import shard_warnings
 from pipeline.utils import SHARDS
 
 

@@ -16,7 +16,7 @@ from PIL import Image
 from pipeline import predict
 from pipeline.data.codec import decode
 from pipeline.data.transforms import eval_augment, eval_transform
-from pipeline.export import compare_export, export_formats, parity_failure
+from pipeline.exporter import compare_export, export_formats, parity_failure
 from pipeline.model import build_vit
 
 EXTRA = {"classes": ["ant", "bee", "cow"], "image_size": 8, "normalize": {"mean": [0.5] * 3, "std": [0.25] * 3}}
@@ -51,7 +51,7 @@ def test_export_without_safetensors_has_config(tmp_path, capsys, fmt):
 def test_parity_limits_refuse_a_nan_difference(diff, agreement, passes):
     """export.max_abs_diff / min_top1_agreement: a format whose logits hold NaN fails the check (``nan >
     limit`` is False: it passed whenever its top-1 still agreed)."""
-    from pipeline.export import within_limits
+    from pipeline.exporter import within_limits
 
     assert within_limits({"max_abs_diff": diff, "top1_agreement": agreement}, _export_params()) is passes
 

@@ -40,7 +40,7 @@ def repo(tmp_path_factory):
 def test_infeasible_sizes_fail_fast_with_a_message(repo, updates, needles, monkeypatch, capsys):
     """The pretrain stage's own entry point, in this process (the checks come before Ray and MLflow)."""
     from pipeline.cli import run_stage
-    from pipeline.training import pretrain
+    from pipeline.train.stage import pretrain
 
     set_params(repo, **updates)
     monkeypatch.chdir(repo)

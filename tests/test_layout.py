@@ -70,3 +70,14 @@ def test_the_model_package_depends_on_nothing_above_it():
 
 def test_find_cycles_sees_one():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_two_modules_share_a_name():
+    """A file's name says what it holds once: no module of the library, the stages, the benchmarks or
+    infra shares its name with another (a stage's entry point and the library code it runs included)."""
+    seen: dict[str, list[str]] = {}
+    for folder in ("pipeline", "stages", "benchmarks", "infra"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name != "__init__.py":
+                seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}

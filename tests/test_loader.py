@@ -537,7 +537,7 @@ def test_the_resize_a_model_trained_with_is_the_one_it_is_evaluated_exported_and
     tested and served on bicubic ones. A config.json from before keeps the default."""
     from pipeline.config import load_params
     from pipeline.data.transforms import eval_augment, resolve_augment
-    from pipeline.training import model_meta
+    from pipeline.train.stage import model_meta
 
     params = load_params(REPO / "params.yaml", {"finetune.augment.interpolation": "nearest"})
     info = read_dataset_info(digits_dir)

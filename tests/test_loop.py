@@ -498,7 +498,7 @@ def test_run_name_covers_every_param_the_run_logs(digits_dir, tmp_path):
 
     from pipeline.config import load_params
     from pipeline.data import read_dataset_info
-    from pipeline.training import plan_stage
+    from pipeline.train.stage import plan_stage
 
     root = Path(__file__).resolve().parents[1]
 
@@ -532,7 +532,7 @@ def test_run_name_changes_with_the_training_code(digits_dir, tmp_path, monkeypat
     from pipeline.config import load_params
     from pipeline.data import read_dataset_info
     from pipeline.train import driver
-    from pipeline.training import plan_stage
+    from pipeline.train.stage import plan_stage
 
     root = driver.PACKAGE_ROOT
     stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]

@@ -107,7 +107,7 @@ def test_evaluate_agrees_with_its_csv_files(digits_dir, tmp_path, monkeypatch):
     the test split lacks: evaluate.json's top-1 is confusion.csv's accuracy, both CSVs read back
     with their class names, and the missing class has no scores ("nan"), outside the macro means."""
     from pipeline.config import load_params
-    from pipeline.evaluate import evaluate
+    from pipeline.evaluation import evaluate
     from pipeline.model import ViTConfig, VisionTransformer
     from pipeline.model.io import save_model
 
@@ -127,7 +127,7 @@ def test_evaluate_agrees_with_its_csv_files(digits_dir, tmp_path, monkeypatch):
     save_model(model, tmp_path / "models/finetune", {"image_size": 16, "classes": classes,
                                                      "normalize": {"mean": [0.5] * 3, "std": [0.5] * 3}})
     # the run says where its numbers were computed (a GPU's name with use_gpu), not the stage process's CPU
-    monkeypatch.setattr("pipeline.evaluate.device_name", lambda device: f"the eval device ({device.type})")
+    monkeypatch.setattr("pipeline.evaluation.device_name", lambda device: f"the eval device ({device.type})")
     metrics = evaluate(load_params("params.yaml", {"ray.backend": "local", "evaluate.resolutions": [16]}))
 
     with open("plots/confusion.csv", newline="") as f:

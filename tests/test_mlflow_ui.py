@@ -34,7 +34,7 @@ def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
     from pipeline.config import load_params
     from pipeline.model import build_vit
     from pipeline.tracking import RunLogger, stage_run
-    from pipeline.training import run_params
+    from pipeline.train.stage import run_params
 
     ids = []
     for name, overrides, curve in RUNS:
@@ -45,7 +45,7 @@ def _log_runs(tracking_uri: str, workdir: Path) -> list[str]:
         model = build_vit(params.model.preset, patch_size=params.finetune_patch_size, image_size=ft.image_size,
                           num_classes=10, pool=params.model.pool, **params.model.overrides())
         info = {"source": "digits", "classes": [str(i) for i in range(10)]}
-        # exactly what pipeline.training.finetune logs
+        # exactly what pipeline.train.stage.finetune logs
         extra = run_params("finetune", params, ft, model, info)
         with stage_run("finetune", params, extra_params=extra, tags={"run_name": name},
                        params_path=str(params_path)) as run:

@@ -133,7 +133,7 @@ def test_inference_in_place_path_matches_autograd_path(pool):
 def test_torchscript_export_runs_with_grad(pool, tmp_path):
     """The export traces under no_grad; the in-place inference ops must not be baked into the graph, so the
     exported model still backpropagates (saliency, fine-tuning it) and gives the eager model's numbers."""
-    from pipeline.export import export_torchscript
+    from pipeline.exporter import export_torchscript
     from pipeline.predict import load_torchscript
 
     model = _perturb(nano(pool=pool))
@@ -550,7 +550,7 @@ def test_finetune_start_from_timm_weights_file(tmp_path):
     import timm.models.vision_transformer as tvit
 
     from pipeline.config import load_params
-    from pipeline.training import load_finetune_start
+    from pipeline.train.stage import load_finetune_start
 
     ref = tvit.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=7,
                                  global_pool="token").eval()
@@ -590,7 +590,7 @@ def test_finetune_start_refuses_a_weights_file_that_does_not_fit(tmp_path):
     import timm.models.vision_transformer as tvit
 
     from pipeline.config import load_params
-    from pipeline.training import load_finetune_start
+    from pipeline.train.stage import load_finetune_start
 
     root = Path(__file__).resolve().parents[1]
 
@@ -625,7 +625,7 @@ def test_finetune_start_from_a_model_directory_is_the_model_section_s(tmp_path):
     model section describes, which the run logs and hashes: another depth is one line naming both values;
     ``drop_path_rate`` (no weights) is the section's, not the directory's (it was silently the directory's)."""
     from pipeline.config import load_params
-    from pipeline.training import load_finetune_start
+    from pipeline.train.stage import load_finetune_start
 
     root = Path(__file__).resolve().parents[1]
     save_model(nano(depth=2), tmp_path / "pre", extra={"classes": list("0123456789")})
@@ -653,7 +653,7 @@ def test_finetune_init_files_that_hold_no_weights_are_one_line(tmp_path):
     import numpy as np
 
     from pipeline.config import load_params
-    from pipeline.training import load_finetune_start
+    from pipeline.train.stage import load_finetune_start
 
     root = Path(__file__).resolve().parents[1]
 
@@ -689,7 +689,7 @@ def test_finetune_keeps_the_head_only_for_the_pretrained_classes(tmp_path, capsy
     """``finetune.head: auto`` keeps models/pretrain's head when the fine-tune data has its classes in its
     order (a new resolution on the same data), else a new zero head; ``head: new`` always a new one."""
     from pipeline.config import ConfigError, load_params
-    from pipeline.training import load_finetune_start
+    from pipeline.train.stage import load_finetune_start
 
     root = Path(__file__).resolve().parents[1]
     pre = nano(num_classes=3)

@@ -162,7 +162,7 @@ def _exported_model(out: Path) -> Path:
     """The tiniest exported model (safetensors + config.json + ONNX), as the export stage writes it."""
     import torch
 
-    from pipeline.export import export_onnx
+    from pipeline.exporter import export_onnx
     from pipeline.model import build_vit, save_model
 
     torch.manual_seed(0)

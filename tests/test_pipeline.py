@@ -527,7 +527,7 @@ def test_registered_model_serves(repro, port_factory):
     from mlflow.tracking import MlflowClient
 
     from pipeline.data import make_eval_loader
-    from pipeline.export import SERVING_PACKAGES
+    from pipeline.exporter import SERVING_PACKAGES
     from pipeline.model import load_model
 
     repo, _ = repro

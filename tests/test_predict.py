@@ -25,7 +25,7 @@ CLASSES = ["ant", "bee", "cow"]
 def export_dir(tmp_path_factory) -> Path:
     """A tiny export as the export stage writes it (config.json, safetensors, TorchScript; no ONNX:
     its exporter alone takes seconds, and the corrupt-file cases need none)."""
-    from pipeline.export import export_torchscript
+    from pipeline.exporter import export_torchscript
 
     out = tmp_path_factory.mktemp("exports")
     torch.manual_seed(0)

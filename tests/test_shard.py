@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.config import DataConfig
 from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
-from pipeline.data import shard as shard_mod
+from pipeline.data import shard_writer as shard_mod
 from tests.data_helpers import (CIFAR_TGZ, REPO, img_bytes, make_fake_cifar, make_hf_parquet, make_imagefolder,
                                 sideways_photo, tar_keys)
 

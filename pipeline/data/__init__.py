@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"shard_dataset": "shard", "read_dataset_info": "loader", "check_shard_files": "loader",
+_EXPORTS = {"shard_dataset": "shard_writer", "read_dataset_info": "loader", "check_shard_files": "loader",
             "require_split": "loader", "require_classes": "loader", "make_train_loader": "loader", "make_eval_loader": "loader",
             "SOURCES": "sources", "AUGMENT_DEFAULTS": "transforms"}
 __all__ = list(_EXPORTS)

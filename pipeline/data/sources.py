@@ -35,7 +35,7 @@ def list_source(source: str, **kw) -> SourceListing:
         from .parquet_source import parquet_listing
         return parquet_listing(**kw)
     if source == "cifar":
-        from .cifar import cifar_listing
+        from .cifar_source import cifar_listing
         return cifar_listing(**kw)
     if source == "fractals":
         from .fractals import fractals_listing

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
-from .config import PRESETS, ViTConfig
+from .vit_config import PRESETS, ViTConfig
 from .vit import VisionTransformer
 
 __all__ = ["build_model", "build_vit", "make_config", "section_config"]

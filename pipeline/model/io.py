@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.utils import CONFIG_NAME, atomic_write, error_summary
 
-from .config import ViTConfig
+from .vit_config import ViTConfig
 from .vit import VisionTransformer
 
 __all__ = ["save_model", "save_config", "load_model", "read_model_file", "ModelFileError", "WEIGHTS_NAME", "CONFIG_NAME"]

@@ -1,2 +1,2 @@
-"""Training machinery: Ray Train driver, per-rank loop and its config, runner contexts, checkpoints,
-optimiser, techniques. The pretrain / finetune stages that use it are ``pipeline/training.py``."""
+"""Training: the pretrain / finetune stages (:mod:`.stage`) and the machinery they drive: Ray Train
+driver, per-rank loop and its config, runner contexts, checkpoints, optimiser, techniques."""

@@ -65,7 +65,7 @@ def worker_batch(global_batch: int, world: int) -> int:
 # training stages in dvc.yaml): edited, it makes another run, so `dvc repro` trains again instead of
 # republishing the finished run of the code before. Logging, plotting and publishing code is left out, so
 # an edit there still continues an interrupted run.
-WEIGHTS_CODE = ("pipeline/model", "pipeline/train", "pipeline/data", "pipeline/training.py", "pipeline/config.py")
+WEIGHTS_CODE = ("pipeline/model", "pipeline/train", "pipeline/data", "pipeline/config.py")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,6 +1,7 @@
 """The pretrain and finetune stages: params in, model directory + metrics + curves out.
 
-Beside ``evaluate.py`` and ``export.py``; the machinery they drive is in ``pipeline/train/``.
+Beside ``pipeline/evaluation.py`` and ``pipeline/exporter.py``; the machinery it drives is the rest of
+``pipeline/train/``.
 """
 from __future__ import annotations
 
