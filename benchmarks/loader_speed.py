@@ -27,14 +27,15 @@ from torchvision.datasets import ImageFolder
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import CIFAR_TGZ, add_extract_options, extract_cifar  # noqa: E402
-from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
-from pipeline.config import DataConfig  # noqa: E402
-from pipeline.data import make_train_loader, read_dataset_info, shard_dataset  # noqa: E402
-from pipeline.data.loader import _collate  # noqa: E402
-from pipeline.data.transforms import BatchFinish, SampleTransform, train_transform  # noqa: E402
-from pipeline.utils import DATASET_INFO, positive_int  # noqa: E402
-from torchvision.io import ImageReadMode, decode_image  # noqa: E402
+from torchvision.io import ImageReadMode, decode_image
+
+from benchmarks.cifar import CIFAR_TGZ, add_extract_options, extract_cifar
+from benchmarks.results import add_record_option, command_line, record_and_say
+from pipeline.config import DataConfig
+from pipeline.data import make_train_loader, read_dataset_info, shard_dataset
+from pipeline.data.loader import _collate
+from pipeline.data.transforms import BatchFinish, SampleTransform, train_transform
+from pipeline.utils import DATASET_INFO, positive_int
 
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
 

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
-from pipeline.model import build_vit  # noqa: E402
-from pipeline.utils import positive_int, seconds  # noqa: E402
+from benchmarks.results import add_record_option, command_line, record_and_say
+from pipeline.model import build_vit
+from pipeline.utils import positive_int, seconds
 
 CASES = [  # (preset, image, patch, batch, max timed steps per mode)
     ("nano", 16, 4, 128, 80),

@@ -2,8 +2,9 @@
 ``ImageFolder`` + v2 transforms per sample, one DataLoader, AdamW with warm-up + cosine (``LambdaLR``),
 label smoothing and gradient clipping, written out here without the pipeline's data, loop or optimiser
 code (shared: the model class, the auto-augment policies' names, the names that skip weight decay,
-the amp rule and the check that a batch fits the train split). Train it and ``time_to_accuracy.py --stages pretrain`` on the same images with the same
-recipe, then compare the per-epoch train loss and the test top-1:
+the amp rule and the check that a batch fits the train split). Train it and
+``time_to_accuracy.py --stages pretrain`` on the same images with the same recipe, then compare the
+per-epoch train loss and the test top-1:
 
     python benchmarks/plain_loop.py --imagefolder DIR --set model.preset=nano ...     # DIR/train, DIR/test
 
@@ -31,14 +32,15 @@ from torchvision.transforms import v2
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
-from pipeline.config import ConfigError, TrainConfig  # noqa: E402
-from pipeline.data.transforms import AUTO_AUGMENT_TRANSFORMS  # noqa: E402
-from pipeline.model import build_model  # noqa: E402
-from pipeline.recipes import load_recipe_params  # noqa: E402
-from pipeline.train.driver import check_batch_fits  # noqa: E402
-from pipeline.train.optim import NO_DECAY_NAMES  # noqa: E402
-from pipeline.train.techniques import amp_dtype, autocast  # noqa: E402
+from benchmarks.results import add_record_option, command_line, record_and_say
+from pipeline.config import ConfigError, TrainConfig
+from pipeline.data.transforms import AUTO_AUGMENT_TRANSFORMS
+from pipeline.model import build_model
+from pipeline.recipes import load_recipe_params
+from pipeline.train.driver import check_batch_fits
+from pipeline.train.optim import NO_DECAY_NAMES
+from pipeline.train.techniques import amp_dtype, autocast
+
 
 def check_supported(cfg: TrainConfig) -> dict:
     """The recipe's augmentation, or ConfigError naming what this loop does not implement."""

@@ -22,10 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
-from pipeline.cluster import REPORT_POLL_VAR, init_ray  # noqa: E402
-from pipeline.config import RayConfig  # noqa: E402
-from pipeline.utils import positive_int, seconds  # noqa: E402
+from benchmarks.results import add_record_option, command_line, record_and_say
+from pipeline.cluster import REPORT_POLL_VAR, init_ray
+from pipeline.config import RayConfig
+from pipeline.utils import positive_int, seconds
 
 
 def reporting_loop(cfg: dict) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results import RESULTS_DIR  # noqa: E402
+from benchmarks.results import RESULTS_DIR
 
 DOC, README = ROOT / "docs" / "results.md", ROOT / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"

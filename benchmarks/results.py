@@ -58,9 +58,9 @@ def code_version() -> tuple[str, bool | None]:
 def machine() -> dict:
     """The CPU (model, cores this process may use, AVX-512: ``pipeline.environment.cpu_name``), the
     machine's core count, and the first GPU's name where torch sees one, else None."""
-    from pipeline.environment import cpu_name  # imports torch, which every benchmark has loaded already
-
     import torch
+
+    from pipeline.environment import cpu_name  # imports torch, which every benchmark has loaded already
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "gpu": gpu}
 

@@ -17,12 +17,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import add_extract_options, extract_cifar  # noqa: E402
-from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
-from pipeline.config import DataConfig  # noqa: E402
-from pipeline.data import shard_dataset  # noqa: E402
-from pipeline.utils import positive_int  # noqa: E402
-
+from benchmarks.cifar import add_extract_options, extract_cifar
+from benchmarks.results import add_record_option, command_line, record_and_say
+from pipeline.config import DataConfig
+from pipeline.data import shard_dataset
+from pipeline.utils import positive_int
 
 
 def rss_mb() -> float:

@@ -29,35 +29,41 @@ import time
 
 STARTED = time.time()  # the command's wall time and --max-minutes count from here, imports included
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import add_tarball_option, cifar_shards  # noqa: E402
-from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
-from pipeline.config import TRAINING_STAGES, ConfigError, Params  # noqa: E402
-from pipeline.data import read_dataset_info  # noqa: E402
-from pipeline.data.transforms import eval_augment  # noqa: E402
-from pipeline.environment import device_name  # noqa: E402
-from pipeline.inference import predict_split, scored_metrics, views_note  # noqa: E402
-from pipeline.model import VisionTransformer, load_model, save_model  # noqa: E402
-from pipeline.plots import plot_history  # noqa: E402
-from pipeline.recipes import load_recipe_params  # noqa: E402
-from pipeline.train.context import local_device  # noqa: E402
-from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook  # noqa: E402
-from pipeline.train.driver import TrainingDiverged, check_stage, fit  # noqa: E402
-from pipeline.train.selection import THRESHOLDS  # noqa: E402
-from pipeline.train.stage import (check_finetune_init, load_finetune_start, model_meta, plan_stage,  # noqa: E402
-                               pretrain_start, stage_summary)
-from pipeline.utils import atomic_write_text  # noqa: E402
+from benchmarks.cifar import add_tarball_option, cifar_shards
+from benchmarks.results import add_record_option, command_line, record_and_say
+from pipeline.config import TRAINING_STAGES, ConfigError, Params
+from pipeline.data import read_dataset_info
+from pipeline.data.transforms import eval_augment
+from pipeline.environment import device_name
+from pipeline.inference import predict_split, scored_metrics, views_note
+from pipeline.model import VisionTransformer, load_model, save_model
+from pipeline.plots import plot_history
+from pipeline.recipes import load_recipe_params
+from pipeline.train.context import local_device
+from pipeline.train.deadline import DeadlinePassed, hook as deadline_hook
+from pipeline.train.driver import TrainingDiverged, check_stage, fit
+from pipeline.train.selection import THRESHOLDS
+from pipeline.train.stage import (
+    check_finetune_init,
+    load_finetune_start,
+    model_meta,
+    plan_stage,
+    pretrain_start,
+    stage_summary,
+)
+from pipeline.utils import atomic_write_text
 
 EXIT_BAD_INPUT, EXIT_RUN_AGAIN = 2, 75  # 75: EX_TEMPFAIL, "try again"
 LEVELS = [round(level * 100) for level in THRESHOLDS]

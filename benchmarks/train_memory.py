@@ -30,13 +30,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
-from pipeline.config import TrainConfig  # noqa: E402
-from pipeline.environment import device_name  # noqa: E402
-from pipeline.model import PRESETS, build_vit  # noqa: E402
-from pipeline.train.loop_config import LoopConfig  # noqa: E402
-from pipeline.train.step import Stepper  # noqa: E402
-from pipeline.utils import positive_int  # noqa: E402
+from benchmarks.results import add_record_option, command_line, record_and_say
+from pipeline.config import TrainConfig
+from pipeline.environment import device_name
+from pipeline.model import PRESETS, build_vit
+from pipeline.train.loop_config import LoopConfig
+from pipeline.train.step import Stepper
+from pipeline.utils import positive_int
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 

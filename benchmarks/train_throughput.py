@@ -32,17 +32,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cifar import add_tarball_option, cifar_shards  # noqa: E402
-from benchmarks.results import add_record_option, command_line, record_and_say  # noqa: E402
-from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, TRAINING_STAGES, ConfigError  # noqa: E402
-from pipeline.data import make_train_loader, read_dataset_info  # noqa: E402
-from pipeline.environment import cpu_name, device_name  # noqa: E402
-from pipeline.model import build_model  # noqa: E402
-from pipeline.recipes import load_recipe_params  # noqa: E402
-from pipeline.train.loop_config import LoopConfig  # noqa: E402
-from pipeline.train.step import Stepper  # noqa: E402
-from pipeline.train.stage import plan_stage  # noqa: E402
-from pipeline.utils import positive_int  # noqa: E402
+from benchmarks.cifar import add_tarball_option, cifar_shards
+from benchmarks.results import add_record_option, command_line, record_and_say
+from pipeline.config import COMPILE_MODES, CUDAGRAPH_MODES, TRAINING_STAGES, ConfigError
+from pipeline.data import make_train_loader, read_dataset_info
+from pipeline.environment import cpu_name, device_name
+from pipeline.model import build_model
+from pipeline.recipes import load_recipe_params
+from pipeline.train.loop_config import LoopConfig
+from pipeline.train.stage import plan_stage
+from pipeline.train.step import Stepper
+from pipeline.utils import positive_int
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # dense, per GPU
 
@@ -158,7 +158,7 @@ def input_scaling(loop: LoopConfig, device: torch.device, counts: list[int], ste
             next(batches)
         workers = [p.pid for p in multiprocessing.active_children()]
         main0, kids0 = time.process_time(), cpu_seconds(workers)
-        rate = timed(device, steps, loop.per_worker_batch, lambda: next(batches))
+        rate = timed(device, steps, loop.per_worker_batch, lambda b=batches: next(b))
         main, kids = time.process_time() - main0, cpu_seconds(workers) - kids0
         del batches, loader  # the DataLoader's workers exit
         per = 1e3 / steps

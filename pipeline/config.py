@@ -407,9 +407,9 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
 def _check_model(p: Params) -> None:
     """The architecture, and every resolution the model will see divisible by its patch size."""
     from pipeline.model.build import section_config
-    from pipeline.model.vit_config import POOLS, PRESETS, WEIGHT_INITS, check_divisible, check_heads
     from pipeline.model.convert import LAYOUTS
     from pipeline.model.resample import MODES
+    from pipeline.model.vit_config import POOLS, PRESETS, WEIGHT_INITS, check_divisible, check_heads
 
     _choice("model.preset", p.model.preset, tuple(PRESETS))
     _choice("model.pool", p.model.pool, POOLS)

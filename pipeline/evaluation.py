@@ -40,6 +40,7 @@ def distributed_predict(model: VisionTransformer, shard_dir, split: str, params:
         return predict_split(model if device.type == "cpu" else copy.deepcopy(model).to(device), shard_dir, split,
                              **kwargs), device_name(device)
     import ray
+
     from pipeline.cluster import ray_cluster
 
     world = params.ray.num_workers

@@ -14,7 +14,7 @@ from pipeline.data import make_eval_loader
 from pipeline.data.transforms import resolve_augment
 from pipeline.environment import device_name
 from pipeline.metrics import classification_metrics, predicted_class
-from pipeline.model import ViTConfig, VisionTransformer
+from pipeline.model import VisionTransformer, ViTConfig
 
 
 class View(NamedTuple):

@@ -14,8 +14,7 @@ import sys
 
 import yaml
 
-from pipeline.config import (ConfigError, Params, flatten, load_params, read_partial_params, safe_yaml,
-                             yaml_problem)
+from pipeline.config import ConfigError, Params, flatten, load_params, read_partial_params, safe_yaml, yaml_problem
 
 
 def recipe_overrides(path: str | None, sets: list[str] = ()) -> dict[str, object]:

@@ -29,6 +29,7 @@ def all_keys(out: Path, split: str) -> list[str]:
 
 def img_bytes(rng, fmt: str, size=(12, 10), mode="RGB") -> bytes:
     import io
+
     from PIL import Image
     arr = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     img = Image.fromarray(arr).convert(mode)

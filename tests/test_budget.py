@@ -89,7 +89,7 @@ def test_a_warm_up_that_rounds_past_its_whole_epochs_is_refused_before_the_run(d
 
     from pipeline.config import ConfigError, load_params
     from pipeline.data import read_dataset_info
-    from pipeline.model import ViTConfig, VisionTransformer
+    from pipeline.model import VisionTransformer, ViTConfig
     from pipeline.train.driver import prepare_run
 
     batch = read_dataset_info(digits_dir)["counts"]["train"] // 3  # 3 steps an epoch
@@ -116,7 +116,7 @@ def test_a_warm_up_as_long_as_the_run_is_said(digits_dir, capsys):
     from pathlib import Path
 
     from pipeline.config import load_params
-    from pipeline.model import ViTConfig, VisionTransformer
+    from pipeline.model import VisionTransformer, ViTConfig
     from pipeline.train.driver import prepare_run
 
     def warnings(epochs: int, warmup: float) -> list[str]:

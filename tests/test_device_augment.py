@@ -7,11 +7,20 @@ import math
 import pytest
 import torch
 from torchvision.transforms import InterpolationMode
-from torchvision.transforms.v2 import AutoAugment, RandAugment, TrivialAugmentWide
-from torchvision.transforms.v2 import functional as F
+from torchvision.transforms.v2 import AutoAugment, RandAugment, TrivialAugmentWide, functional as F
 
-from pipeline.data.device_augment import (AUTOAUGMENT_BINS, BINS, GEOMETRIC, OPS, RANDAUGMENT_BIN, SAMPLED, SIGNED,
-                                          DeviceAugment, cifar10_policy, magnitude_table)
+from pipeline.data.device_augment import (
+    AUTOAUGMENT_BINS,
+    BINS,
+    GEOMETRIC,
+    OPS,
+    RANDAUGMENT_BIN,
+    SAMPLED,
+    SIGNED,
+    DeviceAugment,
+    cifar10_policy,
+    magnitude_table,
+)
 from pipeline.data.transforms import AUTO_AUGMENTS, AUTOAUGMENT_CIFAR10, resolve_augment
 
 H = W = 32
@@ -214,9 +223,9 @@ def test_erasing_boxes_and_pixels():
     assert erased[:64].any() and not erased[:64].all()
     assert (plain != 0).all()  # mean 0.5 never normalises a uint8 pixel to exactly 0
     for k in range(64):
-        t, l, hh, ww = box[k].tolist()
+        top, left, hh, ww = box[k].tolist()
         mask = torch.zeros(H, W, dtype=torch.bool)
-        mask[t:t + hh, l:l + ww] = True
+        mask[top:top + hh, left:left + ww] = True
         assert torch.equal(out[k] == 0, mask.expand(3, H, W))
         assert torch.equal(out[k][:, ~mask], plain[k][:, ~mask])
     assert DeviceAugment({"random_erasing": 0.0}).draw(range(10), H, W) == {}

@@ -17,8 +17,14 @@ import torch
 import yaml
 
 from pipeline.outputs import PARTIAL, staged_outputs
-from pipeline.train.context import (STAGING_PREFIX, STAGING_SUFFIX, STATE_FILE, latest_checkpoint, list_checkpoints,
-                                    prune_checkpoints)
+from pipeline.train.context import (
+    STAGING_PREFIX,
+    STAGING_SUFFIX,
+    STATE_FILE,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+)
 from tests.conftest import clean_env, tracebacks
 from tests.repo_copy import pretrain_runs, run, set_params, sharded_short_run, short_run
 

@@ -7,8 +7,7 @@ import torch
 
 from pipeline.data import make_eval_loader, read_dataset_info
 from pipeline.data.transforms import BatchFinish
-from pipeline.inference import (TTA_VIEWS, View, apply_view, normalised_black, predict_split, scored_metrics,
-                                views_note)
+from pipeline.inference import TTA_VIEWS, View, apply_view, normalised_black, predict_split, scored_metrics, views_note
 from pipeline.metrics import classification_metrics
 from pipeline.model import build_vit
 

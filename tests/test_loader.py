@@ -85,6 +85,7 @@ def test_train_invariant_when_streams_wrap(tmp_path, maxcount):
         assert _global_step(two, step) == _global_step(one, step)
     assert {k for _, _, ks in one[0] for k in ks} == set(all_keys(out, "train"))
     from itertools import islice
+
     from pipeline.data.loader import _shards
     from pipeline.data.streams import key_index, open_streams, stream_pieces
     urls, listed, _ = _shards(out, "train")
@@ -397,9 +398,10 @@ def test_normalisation(digits_dir):
 
 def test_loader_matches_reference_compose(tmp_path):
     """The loader's split transform (uint8 ops per sample, normalise per batch) == one v2.Compose."""
+    import webdataset as wds
+
     from pipeline.data.loader import decode_sample
     from pipeline.data.transforms import eval_transform, train_transform
-    import webdataset as wds
     root = make_imagefolder(tmp_path / "src", per_class=4)
     out = tmp_path / "out"
     shard_dataset(out, DataConfig(source="imagefolder", root=root, val_fraction=0, test_fraction=0))

@@ -221,9 +221,9 @@ def _printed_ratio(printed: str, num: float, den: float) -> None:
 @pytest.mark.slow
 def test_throughput_benchmark_runs_on_cpu(digits_dir, tmp_path):
     """The README's benchmark command, shortened, compiled, with --compare-eager, --compare-mode, --compare-graph
-    and --profile
-    (the GPU runbook's form): it measures every side and prints the feed ratio and where the loop's time goes, and runs where Ray, MLflow, DVC, ONNX and
-    the rest that a GPU box may lack are not installed (conftest.GPU_BOX_REQUIREMENTS). The uncompiled form runs in test_time_to_accuracy.py."""
+    and --profile (the GPU runbook's form): it measures every side and prints the feed ratio and where the
+    loop's time goes, and runs where Ray, MLflow, DVC, ONNX and the rest that a GPU box may lack are not
+    installed (conftest.GPU_BOX_REQUIREMENTS). The uncompiled form runs in test_time_to_accuracy.py."""
     proc = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--steps", "2",
                              "--rounds", "1", "--set", "ray.loader_workers=1", "--set", "model.depth=1",
                              "--set", "pretrain.compile=true", "--compare-eager", "--compare-mode", "reduce-overhead",
@@ -524,7 +524,8 @@ def test_run_name_covers_every_param_the_run_logs(digits_dir, tmp_path):
 def test_run_name_changes_with_the_training_code(digits_dir, tmp_path, monkeypatch):
     """Edited training code is another run: `dvc repro` after the edit trains again (it republished the
     finished run of the code before). A comment or docstring edit, or an edit to code outside WEIGHTS_CODE
-    (logging), continues a run; every WEIGHTS_CODE entry is a dvc.yaml dep of both training stages, so DVC re-runs them when the name changes."""
+    (logging), continues a run; every WEIGHTS_CODE entry is a dvc.yaml dep of both training stages, so DVC
+    re-runs them when the name changes."""
     import shutil
 
     import yaml

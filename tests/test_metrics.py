@@ -12,8 +12,13 @@ import torch
 from sklearn.metrics import precision_recall_fscore_support
 
 from pipeline import plots
-from pipeline.metrics import (classification_metrics, confusion_matrix, expected_calibration_error, macro_scores,
-                              per_class)
+from pipeline.metrics import (
+    classification_metrics,
+    confusion_matrix,
+    expected_calibration_error,
+    macro_scores,
+    per_class,
+)
 from tests.conftest import ROOT
 
 
@@ -108,7 +113,7 @@ def test_evaluate_agrees_with_its_csv_files(digits_dir, tmp_path, monkeypatch):
     with their class names, and the missing class has no scores ("nan"), outside the macro means."""
     from pipeline.config import load_params
     from pipeline.evaluation import evaluate
-    from pipeline.model import ViTConfig, VisionTransformer
+    from pipeline.model import VisionTransformer, ViTConfig
     from pipeline.model.io import save_model
 
     for var in ("MLFLOW_TRACKING_URI", "VIT_SHARDS_URL", "DVC_EXP_NAME", "DVC_ROOT", "VIT_PARAMS"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import errno
 import json
 import math
-import re
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -15,10 +15,17 @@ import numpy as np
 import pytest
 
 from pipeline.config import DataConfig
-from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
-from pipeline.data import shard_writer as shard_mod
-from tests.data_helpers import (CIFAR_TGZ, REPO, img_bytes, make_fake_cifar, make_hf_parquet, make_imagefolder,
-                                sideways_photo, tar_keys)
+from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset, shard_writer as shard_mod
+from tests.data_helpers import (
+    CIFAR_TGZ,
+    REPO,
+    img_bytes,
+    make_fake_cifar,
+    make_hf_parquet,
+    make_imagefolder,
+    sideways_photo,
+    tar_keys,
+)
 
 
 def test_digits_counts_and_each_sample_once(digits_dir):
@@ -52,8 +59,9 @@ def test_digits_tar_contents(digits_dir):
         members = tf.getmembers()
         assert {m.name.rsplit(".", 1)[1] for m in members} == {"png", "cls"}
         assert all(m.mtime == 0 and m.uid == 0 and m.gid == 0 and m.uname == "root" for m in members)
-        from PIL import Image
         import io
+
+        from PIL import Image
         img = Image.open(io.BytesIO(tf.extractfile(members[1] if members[1].name.endswith("png")
                                                    else members[0]).read()))
         assert img.size == (8, 8) and img.mode == "L"
@@ -281,6 +289,7 @@ def test_imagefolder_max_side(tmp_path):
     out = tmp_path / "out"
     shard_dataset(out, DataConfig(source="imagefolder", root=root, max_side=16, val_fraction=0, test_fraction=0))
     import io
+
     from PIL import Image
     with tarfile.open(out / "train-000000.tar") as tf:
         sizes = {m.name.rsplit(".", 1)[1]: Image.open(io.BytesIO(tf.extractfile(m).read())).size
@@ -438,9 +447,10 @@ def test_parquet_sorted_by_class_is_sharded_shuffled(tmp_path, monkeypatch):
     """A file stored class by class (as Hugging Face's imagefolder builder writes one) is written in a
     seeded shuffled order, as the other sources are: in file order each shard held one class. Every row
     once, the same shards from the same seed, the spool files gone."""
+    import tempfile
+
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import tempfile
 
     rng = np.random.default_rng(0)
     rows = [(img_bytes(rng, "PNG"), c) for c in range(4) for _ in range(30)]  # 4 classes x 30, sorted
@@ -489,7 +499,8 @@ def test_parquet_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.parquet"):
         shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=src / "imgs"))
     pq.write_table(pa.table({"img": [b"x"], "label": [0]}), tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match=r"has no 'image' column \(image_column: name the column\); columns are \['img', 'label'\]"):
+    with pytest.raises(ValueError, match=r"has no 'image' column \(image_column: name the column\); "
+                                         r"columns are \['img', 'label'\]"):
         shard_dataset(tmp_path / "o", DataConfig(source="parquet", root=tmp_path / "bad.parquet"))
     assert not (tmp_path / "o").exists()
 
@@ -502,6 +513,7 @@ def test_cifar10_pickle(tmp_path):
     assert info["counts"] == {"train": 90, "val": 10, "test": 20}
     # pixels survive exactly (PNG is lossless; CHW -> HWC handled)
     import io
+
     import pyarrow.parquet as pq
     from PIL import Image
     row = [r for r in pq.read_table(tmp_path / "out" / "manifest.parquet").to_pylist()
@@ -652,7 +664,9 @@ def test_shared_cifar10_imagefolder(tmp_path, cifar10_test_dir):
 
 def _decoded_stats(out: Path) -> tuple[np.ndarray, np.ndarray]:
     import io
+
     from PIL import Image
+
     from pipeline.data import tario
     info = read_dataset_info(out)
     pixels = np.concatenate([

@@ -14,12 +14,12 @@ import pytest
 import yaml
 
 from pipeline import storage
+from pipeline.config import DataConfig
+from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
+from pipeline.train.context import STAGING_PREFIX, STAGING_SUFFIX, node_staging_dir
 from tests.conftest import tracebacks
 from tests.faults import fault_env, hook_env
 from tests.repo_copy import copy_repo_files
-from pipeline.config import DataConfig
-from pipeline.train.context import STAGING_PREFIX, STAGING_SUFFIX, node_staging_dir
-from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO_FILES = ["pipeline", "stages", "infra", "params.yaml", ".gitignore"]
@@ -290,7 +290,8 @@ def test_job_shards_to_bucket_trains_checkpoints_and_resumes(s3_server, mlflow_s
     assert "ws/data/shards/pretrain/dataset.json" in keys and any(k.endswith(".tar") for k in keys)
     info = json.loads(s3_server.client().get_object(
         Bucket=bucket, Key="ws/data/shards/pretrain/dataset.json")["Body"].read())
-    steps_per_epoch = info["counts"]["train"] // yaml.safe_load((repo / "params.s3.yaml").read_text())["pretrain"]["global_batch_size"]
+    batch = yaml.safe_load((repo / "params.s3.yaml").read_text())["pretrain"]["global_batch_size"]
+    steps_per_epoch = info["counts"]["train"] // batch
     shutil.rmtree(scratch)
 
     # 2. Train from the bucket; the run dies in epoch 2, after epoch 1's checkpoint went to the bucket.

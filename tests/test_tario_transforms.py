@@ -41,6 +41,7 @@ def test_tario_reads_what_webdataset_reads(tmp_path, fmt):
     """Same samples as webdataset.tarfile_samples: long names (pax / GNU / ustar prefix), non-ASCII
     names, directories and __meta__ files skipped, empty and block-sized members."""
     import webdataset as wds
+
     from pipeline.data import tario
     long_dir = "d" * 120
     members = [(f"{long_dir}/s_1.jpg", b"\xff" * 700), (f"{long_dir}/s_1.cls", b"3"),
@@ -58,6 +59,7 @@ def test_tario_reads_what_webdataset_reads(tmp_path, fmt):
 
 def test_tario_matches_webdataset_on_shards(digits_dir):
     import webdataset as wds
+
     from pipeline.data import tario
     urls = [{"url": str(digits_dir / sh["name"])} for sh in read_dataset_info(digits_dir)["shards"]["train"]]
     ours = list(tario.tarfile_samples(urls))
@@ -90,6 +92,7 @@ def test_indexed_shards_keep_few_files_open(digits_dir, monkeypatch):
 def test_train_loader_same_batches_from_a_url(digits_dir):
     """URLs are read in full, local shards through the header index: the same batches."""
     import fsspec
+
     from pipeline.data import make_train_loader
     fs = fsspec.filesystem("memory")
     for p in digits_dir.iterdir():
@@ -122,7 +125,9 @@ def test_crop_params_follow_torchvision_distribution():
     """crop_params is RandomResizedCrop.get_params drawn from random.Random: same distribution."""
     import random
     import statistics
+
     from torchvision import transforms as v1
+
     from pipeline.data.transforms import crop_params
     n, h, w = 6000, 32, 48
     ours = [crop_params(random.Random(i), h, w, (0.08, 1.0)) for i in range(n)]
@@ -140,7 +145,9 @@ def test_crop_params_follow_torchvision_distribution():
 def test_sample_transform_equals_torchvision_ops(interp):
     """The seeded transform is torchvision's resized_crop + horizontal_flip with crop_params' box."""
     import random
+
     from torchvision.transforms.v2 import functional as F
+
     from pipeline.data.transforms import INTERPOLATIONS, SampleTransform, crop_params
     x = torch.randint(0, 256, (3, 37, 29), dtype=torch.uint8)
     t = SampleTransform(24, {"interpolation": interp, "random_resized_crop": [0.2, 1.0], "hflip": 0.5}, train=True)
@@ -160,8 +167,10 @@ def test_random_crop_is_torchvision_padded_crop_with_every_offset():
     an offset drawn per seed, every offset in [0, 2p]^2 reachable; then the flip. The reference
     pipeline has torchvision's own RandomCrop there."""
     import random
+
     from torchvision.transforms import v2
     from torchvision.transforms.v2 import functional as F
+
     from pipeline.data.transforms import SampleTransform, train_transform
     x = torch.randint(1, 256, (3, 12, 12), dtype=torch.uint8)  # no zero pixel: the padding shows
     t = SampleTransform(12, {"random_crop": 3, "hflip": 0.5}, train=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .records import check_labels, resolve_classes
-from .splits import SPLITS, SourceListing, Record, carve_splits, split_of_index
+from .splits import SPLITS, Record, SourceListing, carve_splits, split_of_index
 
 LAYOUTS = {
     "cifar-10-batches-py": dict(train=[f"data_batch_{i}" for i in range(1, 6)], test=["test_batch"],

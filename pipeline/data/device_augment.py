@@ -25,8 +25,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as nnf
 from torchvision.transforms import AutoAugmentPolicy
-from torchvision.transforms.v2 import AutoAugment
-from torchvision.transforms.v2 import functional as F
+from torchvision.transforms.v2 import AutoAugment, functional as F
 
 from .transforms import AUTOAUGMENT_CIFAR10, BatchFinish, resolve_augment
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .records import resolve_classes
-from .splits import SPLITS, SourceListing, Record, carve_splits
+from .splits import SPLITS, Record, SourceListing, carve_splits
 
 BURN_IN, STEPS = 6, 30
 FILL_RANGE = (0.08, 0.6)

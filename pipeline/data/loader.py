@@ -361,7 +361,8 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
     total = sum(s["count"] for s in shards)
     if len(urls) < num_streams and total < num_streams:
         raise ValueError(f"{shard_dir} has {total} train samples, fewer than num_streams={num_streams}")
-    ds = _TrainSteps([(url, s["count"]) for url, s in zip(urls, shards)], check=check, rank=rank, world_size=world_size, num_streams=num_streams,
+    ds = _TrainSteps([(url, s["count"]) for url, s in zip(urls, shards)], check=check, rank=rank,
+                     world_size=world_size, num_streams=num_streams,
                      chunk=batch_size * world_size // num_streams, steps=steps_per_epoch, seed=seed,
                      epoch=epoch, last_epoch=last_epoch, start_batch=start_batch, image_size=image_size,
                      augment=augment, return_keys=return_keys,

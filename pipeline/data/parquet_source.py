@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .records import SPLIT_DIRS, check_labels, check_split_names
-from .splits import SPLITS, SourceListing, Record, carve_splits, split_of_index
+from .splits import SPLITS, Record, SourceListing, carve_splits, split_of_index
 
 BATCH_ROWS = 256
 SPOOL_BYTES = 256 * 2**20  # image bytes a spool bucket holds, about: what ordering holds in memory at once

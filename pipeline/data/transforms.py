@@ -10,8 +10,7 @@ import random
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torchvision.transforms import AutoAugmentPolicy, InterpolationMode
-from torchvision.transforms import v2
+from torchvision.transforms import AutoAugmentPolicy, InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
 AUGMENT_DEFAULTS: dict[str, Any] = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
-from .vit_config import PRESETS, ViTConfig
 from .vit import VisionTransformer
+from .vit_config import PRESETS, ViTConfig
 
 __all__ = ["build_model", "build_vit", "make_config", "section_config"]
 

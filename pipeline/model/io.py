@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.utils import CONFIG_NAME, atomic_write, error_summary
 
-from .vit_config import ViTConfig
 from .vit import VisionTransformer
+from .vit_config import ViTConfig
 
 __all__ = ["save_model", "save_config", "load_model", "read_model_file", "ModelFileError", "WEIGHTS_NAME", "CONFIG_NAME"]
 

@@ -12,9 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .vit_config import WEIGHT_INITS, ViTConfig
 from .mimetic import mimetic_init_
 from .resample import resample_patch_embed, resample_pos_embed
+from .vit_config import WEIGHT_INITS, ViTConfig
 
 __all__ = ["PatchEmbed", "Attention", "Mlp", "DropPath", "Block", "VisionTransformer"]
 

@@ -27,8 +27,7 @@ from pipeline.data import check_shard_files, read_dataset_info
 from pipeline.model import VisionTransformer
 from pipeline.train.budget import plan_epoch, unplanned
 from pipeline.train.checkpoint import load_state
-from pipeline.train.context import (latest_checkpoint, newer_on_disk, node_staging_dir, prune_checkpoints,
-                                    remove_staging)
+from pipeline.train.context import latest_checkpoint, newer_on_disk, node_staging_dir, prune_checkpoints, remove_staging
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.selection import Selection
 from pipeline.utils import atomic_write_text, csv_text

@@ -11,23 +11,31 @@ from pathlib import Path
 
 import torch
 
+from pipeline import storage
 from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
 from pipeline.data.transforms import resolve_augment, with_dataset_stats
-from pipeline.model import ViTConfig, VisionTransformer, build_model, convert_state_dict, load_model, save_model
+from pipeline.model import VisionTransformer, ViTConfig, build_model, convert_state_dict, load_model, save_model
 from pipeline.model.build import section_config
 from pipeline.model.convert import LAYOUTS
 from pipeline.model.io import ModelFileError, read_model_file
 from pipeline.outputs import staged_outputs
-from pipeline.plots import plot_history
-from pipeline import storage
 from pipeline.pipeline_run import finetune_init, trainer_of
+from pipeline.plots import plot_history
 from pipeline.tracking import stage_params, stage_run
 from pipeline.train.checkpoint import refused_global
 from pipeline.train.driver import RunSpec, TrainResult, fit, prepare_run, write_history
 from pipeline.train.selection import summary as selection_summary
-from pipeline.utils import (CONFIG_NAME, MODELS, PLOTS, PRETRAINED, atomic_write_json, history_path, metrics_path,
-                            trained_by)
+from pipeline.utils import (
+    CONFIG_NAME,
+    MODELS,
+    PLOTS,
+    PRETRAINED,
+    atomic_write_json,
+    history_path,
+    metrics_path,
+    trained_by,
+)
 
 
 def _extra_params(params: Params, recipe: TrainConfig, model: VisionTransformer, info: dict) -> dict:

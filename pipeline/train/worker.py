@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline.data import make_eval_loader, make_train_loader
-from pipeline.model import ViTConfig, VisionTransformer
+from pipeline.model import VisionTransformer, ViTConfig
 from pipeline.train.budget import plan_epoch, planned_epochs
 from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
 from pipeline.train.context import TrainContext
@@ -140,6 +140,7 @@ def _loaders(cfg: LoopConfig, ctx: TrainContext, progress: Progress):
 def train_loop_per_worker(args: dict) -> None:
     """Ray Train's entry point: ``{"cfg": LoopConfig, "run": LoopRun}`` with a Ray ref as init_state."""
     import ray
+
     from pipeline.train.context import RayContext
 
     run: LoopRun = args["run"]
