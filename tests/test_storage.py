@@ -22,7 +22,7 @@ from tests.faults import fault_env, hook_env
 from tests.repo_copy import copy_repo_files
 
 ROOT = Path(__file__).resolve().parents[1]
-REPO_FILES = ["pipeline", "stages", "infra", "params.yaml", ".gitignore"]
+REPO_FILES = ["pipeline", "stages", "infra", "params.yaml", "dvc.yaml", ".gitignore"]
 
 pytestmark = pytest.mark.slow
 
