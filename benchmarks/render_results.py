@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import RESULTS_DIR
+from pipeline.utils import atomic_write_text
 
 DOC, README = ROOT / "docs" / "results.md", ROOT / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -202,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{p}: out of date; run python -m benchmarks.render_results", file=sys.stderr)
             return 1 if stale else 0
         for p in stale:
-            tmp = p.with_name(f".{p.name}.tmp")
-            tmp.write_text(wanted[p], encoding="utf-8")
-            tmp.replace(p)
+            atomic_write_text(p, wanted[p])
             print(f"wrote {p}")
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
