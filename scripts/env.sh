@@ -56,8 +56,10 @@ if ! "$VENV/bin/uv" --version >/dev/null 2>&1; then  # none yet, or one cut shor
     --require-hashes -r "$uv_entry" >&2
 fi
 rm -f "$stamp"  # until every step below has succeeded
-# exactly the lock: what it lacks is removed, what differs is replaced, each artifact hash-checked
-"$VENV/bin/uv" pip sync --quiet --python "$VENV/bin/python" --require-hashes "$LOCK" >&2
+# exactly the lock: what it lacks is removed, what differs is replaced, each artifact hash-checked.
+# Compiled to bytecode now: where Python may not write it (PYTHONDONTWRITEBYTECODE, a read-only venv)
+# every process, each Ray worker included, would compile the ~1,400 modules a stage imports (2-3 s).
+"$VENV/bin/uv" pip sync --quiet --compile-bytecode --python "$VENV/bin/python" --require-hashes "$LOCK" >&2
 # The project: editable, no dependencies (the lock has them), built with the lock's setuptools.
 "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --no-deps --no-build-isolation -e "$ROOT" >&2
 # A test env holds the runtime one too (scripts/lock.sh resolves it at the test lock's versions).

@@ -141,6 +141,16 @@ def test_this_environment_is_the_lock():
     assert set(installed) - set(locked) == {"vit-pipeline"}  # nothing the lock does not name
 
 
+def test_this_environment_is_compiled_to_bytecode():
+    """scripts/env.sh compiles the venv as it installs: with PYTHONDONTWRITEBYTECODE set, each stage and
+    Ray worker would otherwise compile the modules it imports (seconds per process)."""
+    import importlib.util
+
+    for module in ("torch", "mlflow.sagemaker", "ray.autoscaler._private.aws.config"):  # the last two: never imported
+        source = importlib.util.find_spec(module).origin
+        assert Path(importlib.util.cache_from_source(source)).is_file(), module
+
+
 def _site_packages_without_this_project(dst: Path) -> Path:
     """Links to every entry of this environment's site-packages except an install of this project.
 
