@@ -245,23 +245,22 @@ def _queue_settled(repo: Path, names: list[str], timeout: float = 900, stall: fl
         time.sleep(10)
 
 
-QUEUED = {"interp-bilinear": "bilinear", "interp-nearest": "nearest"}  # experiment name -> interpolation
+QUEUED = {"interp-nearest": "nearest"}  # experiment name -> interpolation; the workspace's is bicubic
 
 
 @pytest.fixture(scope="module")
 def queued(repro, tmp_path_factory):
-    """docs/experiments.md's grid through the queue, two points: one queued with `-S`, the other from a recipe
-    file through its recipe pipe (and a bad recipe, which queues nothing); then `dvc queue start`
-    until both settled. Returns `dvc queue status`'s last output and how often the worker was restarted."""
+    """docs/experiments.md's queue: a grid point from a recipe file through its recipe pipe, which queues
+    with `dvc exp run --queue -S …` (and a bad recipe, which queues nothing); then `dvc queue start` until
+    it settled. One point: the workspace's own run is the other point of the grid. Returns `dvc queue
+    status`'s last output and how often the worker was restarted."""
     repo, _ = repro
     tmp_path = tmp_path_factory.mktemp("recipes")
     names = QUEUED
     (tmp_path / "nearest.yaml").write_text("finetune:\n  interpolation: {mode: nearest}\n")
     # target evaluate: export (not needed to compare accuracy) stays out, a minute less per experiment
     pipe = "python -m pipeline recipe {} | xargs -r dvc exp run --queue -n {} evaluate"
-    for command in (["dvc", "exp", "run", "--queue", "-n", "interp-bilinear", "-S",
-                     "finetune.interpolation.mode=bilinear", "evaluate"],
-                    ["bash", "-c", pipe.format(tmp_path / "nearest.yaml", "interp-nearest")],
+    for command in (["bash", "-c", pipe.format(tmp_path / "nearest.yaml", "interp-nearest")],
                     ["bash", "-c", pipe.format(tmp_path / "missing.yaml", "from-bad-recipe")]):
         proc = run(command, repo, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr  # a pipe's status is xargs'
@@ -274,17 +273,33 @@ def queued(repro, tmp_path_factory):
         run(["dvc", "queue", "stop"], repo, timeout=120)
 
 
+def _grid_runs(repo: Path) -> dict:
+    """The grid's pipeline runs: the workspace's (the fixture's `dvc repro`, the first without an experiment
+    name) and each queued experiment's, by name."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    exp = client.get_experiment_by_name("vit-pipeline")
+    pipelines = client.search_runs([exp.experiment_id], "tags.kind = 'pipeline'", order_by=["attributes.start_time ASC"])
+    runs = {"workspace": next(r for r in pipelines if "dvc.exp_name" not in r.data.tags)}
+    for name in QUEUED:
+        found = [r for r in pipelines if r.data.tags.get("dvc.exp_name") == name]
+        assert len(found) == 1, name
+        runs[name] = found[0]
+    return runs
+
+
 def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, queued):
-    """`dvc exp run --queue` over a 2-point grid + `dvc queue start`: each experiment is its own MLflow
-    pipeline run, tagged with its name; the two differ exactly in the swept param; pretrain is reused.
+    """`dvc exp run --queue` + `dvc queue start`: the queued experiment is its own MLflow pipeline run, tagged
+    with its name, differing from the workspace's exactly in the swept param; pretrain is reused.
     docs/experiments.md's comparison commands (`dvc exp show`, `dvc metrics diff`, `dvc plots diff $(dvc exp list
-    --name-only)`) show both."""
+    --name-only)`) show it beside the workspace."""
     from mlflow.tracking import MlflowClient
 
     repo, _ = repro
     names = QUEUED
     status, restarts = queued
-    assert status.count("Success") >= 2 and restarts < len(names), status
+    assert status.count("Success") >= len(names) and restarts <= len(names), status
     show = json.loads(run(["dvc", "exp", "show", "--json"], repo, timeout=120).stdout)
     shown = [e.get("name") for base in show for e in (base.get("experiments") or []) for e in (e.get("revs") or [])]
     assert set(names) <= set(shown)
@@ -305,16 +320,13 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, queued):
 
     client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
     exp = client.get_experiment_by_name("vit-pipeline")
-    runs = {}
-    for name in names:
-        found = client.search_runs([exp.experiment_id], f"tags.kind = 'pipeline' and tags.`dvc.exp_name` = '{name}'")
-        assert len(found) == 1, name
-        runs[name] = found[0]
-    a, b = runs["interp-bilinear"], runs["interp-nearest"]
-    assert a.info.run_name == "interp-bilinear" and a.info.status == b.info.status == "FINISHED"
+    runs = _grid_runs(repo)
+    a, b = runs.pop("workspace"), runs["interp-nearest"]
+    assert b.info.run_name == "interp-nearest" and a.info.status == b.info.status == "FINISHED"
     differ = {k for k in a.data.params.keys() | b.data.params.keys() if a.data.params.get(k) != b.data.params.get(k)}
     assert differ == {"finetune.interpolation.mode"}
-    assert a.data.params["finetune.interpolation.mode"] == "bilinear"
+    assert (a.data.params["finetune.interpolation.mode"], b.data.params["finetune.interpolation.mode"]) == \
+        ("bicubic", "nearest")
     for name, r in runs.items():
         children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{r.info.run_id}'")
         assert {c.data.tags["stage"] for c in children} == {"finetune", "evaluate"}  # pretrain: unchanged, not
@@ -328,8 +340,8 @@ def test_dvc_queue_grid_one_pipeline_run_per_experiment(repro, queued):
 
 def test_compare_two_real_pipeline_runs_in_the_ui(repro, queued):
     """Headless Chromium on a real MLflow server over the fixture's store: the experiment opens on its
-    training runs; the two queued experiments' pipeline runs, compared, show the swept param and the
-    accuracies training produced. The picture is the README's (VIT_UPDATE_SCREENSHOTS=1 refreshes it)."""
+    training runs; the workspace's and the queued experiment's pipeline runs, compared, show the swept param.
+    The picture is the README's (VIT_UPDATE_SCREENSHOTS=1 refreshes it)."""
     from mlflow.tracking import MlflowClient
 
     from tests.browser import CHROMIUM, CHROMIUM_ARGS, compact_screenshot, ensure_chromium, param_row
@@ -341,10 +353,7 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro, queued):
     repo, _ = repro
     client = MlflowClient(f"sqlite:///{repo}/mlflow.db")
     exp = client.get_experiment_by_name("vit-pipeline")
-    runs = [client.search_runs([exp.experiment_id], f"tags.kind = 'pipeline' and tags.`dvc.exp_name` = '{n}'")
-            for n in ("interp-bilinear", "interp-nearest")]
-    assert all(runs), "the queued experiments did not log their pipeline runs"
-    runs = [r[0] for r in runs]
+    runs = list(_grid_runs(repo).values())
     screenshot = repo / "mlflow-compare.png"
     with serve_mlflow(repo / "mlflow.db", repo / "mlartifacts", repo / "mlflow-server.log") as (url, _):
         with sync_playwright() as pw:
@@ -355,7 +364,7 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro, queued):
                 # a fresh browser profile.
                 link = browser.new_page()
                 link.goto(f"{url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning")
-                link.get_by_text("interp-bilinear").first.wait_for(timeout=30_000)
+                link.get_by_text("interp-nearest").first.wait_for(timeout=30_000)
                 assert f"/experiments/{exp.experiment_id}/runs" in link.url, link.url
                 link.context.close()
                 page = browser.new_page(viewport={"width": 1200, "height": 1100})
@@ -363,7 +372,7 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro, queued):
                 page.goto(f"{url}/#/experiments")
                 page.get_by_text("Model training", exact=True).first.click()  # remembered by the browser
                 page.get_by_role("link", name="vit-pipeline").first.click()
-                page.get_by_text("interp-bilinear").first.wait_for()
+                page.get_by_text("interp-nearest").first.wait_for()
                 assert f"/experiments/{exp.experiment_id}/runs" in page.url, page.url
                 assert page.get_by_text("finetune-digits-train").count() >= 1  # the Dataset column
                 if page.get_by_role("button", name="Close").count():  # the assistant side panel
@@ -377,14 +386,9 @@ def test_compare_two_real_pipeline_runs_in_the_ui(repro, queued):
                 assert all(r.info.run_id in page.url for r in runs), page.url
                 cells = [c.strip() for c in param_row(page, "finetune.interpolation.mode").locator("td")
                          .all_inner_texts()]
-                assert cells == ["bilinear", "nearest"], cells
-                # the accuracy training produced, as MLflow shows it (3 decimals below 10); the compare view
-                # lists the fine-tune's metrics, not every result the pipeline run holds (no test_top1)
-                page.get_by_role("link", name="finetune.val_top1").first.scroll_into_view_if_needed()
-                for r in runs:
-                    value = r.data.metrics["finetune.val_top1"]
-                    shown = f"{round(value, 3):g}"
-                    assert page.get_by_text(re.compile(rf"^{re.escape(shown)}$")).count() >= 1, (value, shown)
+                assert sorted(cells) == ["bicubic", "nearest"], cells
+                # (the metrics table renders only the rows in its box, export's first: the values it shows are
+                # checked on runs of known metrics in tests/test_mlflow_ui.py)
                 compact_screenshot(page, screenshot, hidden="model.preset", kept="finetune.interpolation.mode")
                 # the registered version's page says where it came from and how it tested (pipeline/registry.py)
                 version = client.get_model_version("vit-pipeline", "1")
