@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from pipeline.config import DataConfig
-from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset, shard_writer as shard_mod
+from pipeline.data import (
+    make_eval_loader,
+    make_train_loader,
+    read_dataset_info,
+    shard_dataset,
+    shard_tasks,
+    shard_writer as shard_mod,
+)
 from tests.data_helpers import (
     CIFAR_TGZ,
     REPO,
@@ -390,15 +397,15 @@ def test_full_disk_is_one_line_and_keeps_the_previous_output(tmp_path, monkeypat
     run_stage(shard_stage, "pretrain")
     before = {p.name: p.read_bytes() for p in Path("data/shards/pretrain").iterdir()}
     Path("params.yaml").write_text("data:\n  pretrain:\n    source: digits\n    maxcount: 300\n")
-    real, calls = shard_mod._SplitWriter.write, {"n": 0}
+    real, calls = shard_tasks.assemble_shard, {"n": 0}
 
-    def write(self, *args):
+    def assemble(*args):
         calls["n"] += 1
-        if calls["n"] > 500:
+        if calls["n"] > 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, *args)
+        return real(*args)
 
-    monkeypatch.setattr(shard_mod._SplitWriter, "write", write)
+    monkeypatch.setattr(shard_tasks, "assemble_shard", assemble)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         run_stage(shard_stage, "pretrain")

@@ -1,0 +1,326 @@
+"""The shard stage's work split into tasks: contiguous chunks of the listing are encoded in parallel (in
+this process's threads, or as Ray tasks), each record's bytes spooled to disk; the records are laid
+into shards in listing order here; each shard is assembled whole from the spools by a task.
+
+The output does not depend on the split: a record's bytes come from :func:`.shard_writer.prepare`
+alone, and shard boundaries follow webdataset's ShardWriter rule (a new shard once ``maxcount``
+records or ``maxsize`` bytes of member data are in the current one), applied in order to the sizes
+the chunks report. A task holds one chunk's records and one image at a time. A killed run leaves its
+finished chunks and shards in the staging folder (``WORK`` keeps the bookkeeping); the next run with
+the same params keeps them and does the rest.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import webdataset as wds
+
+from pipeline.utils import MANIFEST
+
+from .pixels import BadImage
+from .splits import SPLITS, SourceListing
+
+CHUNK = 512  # records per encode task: a multiple of the fractals' render batch
+WORK = ".work"  # the staging folder's bookkeeping: chunk spools and their sizes, removed before publishing
+RUN = "run.json"  # what the staged work was made from: a run with other params starts afresh
+MANIFEST_GROUP, MANIFEST_FLUSH = 256, 8192  # manifest row groups: flushed at this many rows, checked per group
+PROGRESS_S = 10.0  # seconds between progress lines
+AUTO_RAY_MIN = 20_000  # shard_tasks: null shards a set this large on the Ray cluster's CPUs, smaller ones here
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _write_json(path: Path, obj) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(obj))
+    os.replace(part, path)
+
+
+def encode_chunk(records: list, spool: str, max_side, encoding: str) -> dict:
+    """Encode ``records`` into ``spool`` (their bytes back to back); return, and write beside it as JSON,
+    each record's ``[ext, size]`` (``[None, error]`` if undecodable), the train records' pixel histogram
+    and this process's peak RSS."""
+    from .shard_writer import STATS_SPLIT, prepare
+
+    entries, hist = [], np.zeros((3, 256), dtype=np.int64)
+    part = spool + ".part"
+    with open(part, "wb") as f:
+        for rec in records:
+            try:
+                ext, data, img_hist = prepare(rec, max_side, stats=rec.split == STATS_SPLIT, encoding=encoding)
+            except BadImage as exn:
+                entries.append([None, str(exn)])
+                continue
+            f.write(data)
+            entries.append([ext, len(data)])
+            if img_hist is not None:
+                hist += img_hist
+    os.replace(part, spool)
+    meta = {"entries": entries, "hist": hist.tolist(), "peak_rss_mb": _peak_rss_mb()}
+    _write_json(Path(spool + ".json"), meta)
+    return meta
+
+
+def assemble_shard(path: str, members: list[tuple]) -> dict:
+    """Write the tar ``path`` from ``members`` ``(spool, offset, size, ext, key, label)``, unless a
+    previous run finished it; return its dataset.json entry."""
+    from .shard_writer import TAR_META, _sha256
+
+    if not os.path.exists(path):
+        part, spools = path + ".part", {}
+        try:
+            with open(part, "wb") as out:
+                tar = wds.TarWriter(out, encoder=False, **TAR_META)
+                for spool, offset, size, ext, key, label in members:
+                    f = spools.get(spool) or spools.setdefault(spool, open(spool, "rb"))
+                    f.seek(offset)
+                    tar.write({"__key__": key, ext: f.read(size), "cls": str(label).encode()})
+                tar.close()
+        finally:
+            for f in spools.values():
+                f.close()
+        os.replace(part, path)
+    return {"name": os.path.basename(path), "count": len(members), "bytes": os.path.getsize(path),
+            "sha256": _sha256(Path(path))}
+
+
+class _Threads:
+    """Tasks on a thread pool in this process (decoding and encoding release the GIL)."""
+
+    def __init__(self, workers: int):
+        self.pool, self.slots = ThreadPoolExecutor(workers), workers
+
+    def submit(self, fn, *args):
+        return self.pool.submit(fn, *args)
+
+    def wait_one(self, handles: list) -> None:
+        wait(handles, return_when=FIRST_COMPLETED)
+
+    def done(self, handle) -> bool:
+        return handle.done()
+
+    def result(self, handle):
+        return handle.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
+class _Ray:
+    """Tasks on the Ray cluster this process has joined, one CPU each."""
+
+    def __init__(self, tasks: int):
+        import ray
+
+        self.ray, self.slots, self.remote = ray, tasks, {}
+
+    def submit(self, fn, *args):
+        if fn not in self.remote:
+            self.remote[fn] = self.ray.remote(num_cpus=1, max_retries=2)(fn)
+        return self.remote[fn].remote(*args)
+
+    def wait_one(self, handles: list) -> None:
+        self.ray.wait(handles, num_returns=1)
+
+    def done(self, handle) -> bool:
+        return bool(self.ray.wait([handle], timeout=0)[0])
+
+    def result(self, handle):
+        try:
+            return self.ray.get(handle)
+        except self.ray.exceptions.RayTaskError as exc:  # the task's own error, not Ray's wrapper and traceback
+            raise exc.cause from None
+
+    def close(self) -> None:
+        pass
+
+
+def runner(tasks: int, total: int, ray_cfg=None):
+    """Threads in this process for ``tasks == 0``, else that many Ray tasks at a time (``None``: see
+    :data:`AUTO_RAY_MIN`), on the cluster :func:`pipeline.cluster.init_ray` starts or joins."""
+    if tasks is None and total < AUTO_RAY_MIN or tasks == 0:
+        return _Threads(min(8, (os.cpu_count() or 1) + 2))
+    import dataclasses
+
+    import ray
+
+    from pipeline.cluster import init_ray
+    from pipeline.config import RayConfig
+
+    if not ray.is_initialized():  # the shard stage's tasks are one CPU each: no training ranks to fit
+        init_ray(dataclasses.replace(ray_cfg or RayConfig(), num_workers=1, use_gpu=False), train=False)
+    return _Ray(tasks or max(1, int(ray.cluster_resources().get("CPU", 1))))
+
+
+def _eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def progress_line(done: int, total: int, elapsed: float) -> str:
+    rate = done / max(elapsed, 1e-9)
+    eta = _eta((total - done) / rate) if rate > 0 else "?"
+    return f"[shard] {done:,}/{total:,} images ({100 * done / max(total, 1):.0f}%), {rate:,.0f} img/s, ETA {eta}"
+
+
+class _Split:
+    """One split's shards as webdataset's ShardWriter would cut them; each closed shard goes to ``assemble``."""
+
+    def __init__(self, tmp: Path, split: str, maxcount: int, maxsize: int, assemble):
+        self.tmp, self.split, self.maxcount, self.maxsize, self.assemble = tmp, split, maxcount, maxsize, assemble
+        self.shard, self.count, self.size, self.n = -1, 0, 0, 0
+        self.members: list[tuple] = []
+        self.handles: list = []
+
+    def name(self) -> str:
+        return f"{self.split}-{self.shard:06d}.tar"
+
+    def add(self, spool: str, offset: int, size: int, ext: str, label: int) -> tuple[str, str]:
+        if self.shard < 0 or self.count >= self.maxcount or self.size >= self.maxsize:
+            self.close()
+            self.shard, self.count, self.size = self.shard + 1, 0, 0
+        key = f"{self.split}_{self.n:07d}"
+        self.members.append((spool, offset, size, ext, key, label))
+        self.count, self.size, self.n = self.count + 1, self.size + size + len(str(label)), self.n + 1
+        return key, self.name()
+
+    def close(self) -> None:
+        if self.members:
+            self.handles.append(self.assemble(str(self.tmp / self.name()), self.members))
+            self.members = []
+
+
+def prepare_staging(tmp: Path, run: dict) -> Path:
+    """The work folder in ``tmp``: kept from a killed run with the same ``run`` description, else new."""
+    work = tmp / WORK
+    try:
+        same = json.loads((work / RUN).read_text()) == run
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        for entry in list(tmp.iterdir()) if tmp.exists() else ():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        work.mkdir(parents=True)
+        _write_json(work / RUN, run)
+    return work
+
+
+def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side, max_bad_fraction, encoding,
+              tasks, ray_cfg=None) -> dict[str, Any]:
+    """Encode, lay out and assemble every record of ``listing`` into ``tmp``; ``tmp/WORK`` must exist
+    (:func:`prepare_staging`). Returns the shards per split, class counts, the train histogram, the bad files."""
+    from .shard_writer import MANIFEST_SCHEMA
+
+    work = tmp / WORK
+    run = runner(tasks, listing.total, ray_cfg)
+    splits = {s: _Split(tmp, s, maxcount, maxsize, lambda path, members: run.submit(assemble_shard, path, members))
+              for s in SPLITS}
+    class_counts = {s: [0] * len(listing.classes) for s in SPLITS}
+    bad: list[dict] = []
+    allowed_bad = math.floor(max_bad_fraction * listing.total + 1e-9)
+    rows: dict[str, list] = {name: [] for name in MANIFEST_SCHEMA.names}
+    hist = np.zeros((3, 256), dtype=np.int64)
+    peak_rss = 0.0
+    chunks = ((c, part) for c, part in enumerate(_chunks(listing.records, CHUNK)))
+    pending: deque = deque()  # (records, spool, handle or meta), in listing order
+    seen, started, last_report = 0, time.perf_counter(), time.perf_counter()
+    try:
+        with pq.ParquetWriter(tmp / MANIFEST, MANIFEST_SCHEMA) as manifest:
+            while True:
+                running = [h for _, _, h in pending if not isinstance(h, dict) and not run.done(h)]
+                while len(running) < run.slots and len(pending) < 4 * run.slots:
+                    nxt = next(chunks, None)
+                    if nxt is None:
+                        break
+                    c, part = nxt
+                    spool = str(work / f"chunk-{c:07d}.bin")
+                    meta = _finished_chunk(spool)
+                    if meta is None:
+                        meta = run.submit(encode_chunk, part, spool, max_side, encoding)
+                        running.append(meta)
+                    pending.append((part, spool, meta))
+                if not pending:
+                    break
+                part, spool, handle = pending[0]
+                if not isinstance(handle, dict) and not run.done(handle):
+                    run.wait_one(running)
+                    continue
+                pending.popleft()
+                meta = handle if isinstance(handle, dict) else run.result(handle)
+                peak_rss = max(peak_rss, meta.get("peak_rss_mb", 0.0))
+                hist += np.asarray(meta["hist"], dtype=np.int64)
+                offset = 0
+                for rec, (ext, size) in zip(part, meta["entries"]):
+                    seen += 1
+                    if ext is None:
+                        bad.append({"path": rec.source_path, "split": rec.split, "error": size})
+                        if len(bad) > allowed_bad:
+                            raise ValueError(
+                                f"more than max_bad_fraction={max_bad_fraction} of the {listing.total} images "
+                                f"({allowed_bad}) are undecodable, seen before stopping: {len(bad)}; the first: "
+                                f"{bad[0]['path']} ({bad[0]['error']}); remove or fix them, or raise max_bad_fraction")
+                    else:
+                        key, shard = splits[rec.split].add(spool, offset, size, ext, rec.label)
+                        offset += size
+                        class_counts[rec.split][rec.label] += 1
+                        for name, v in zip(MANIFEST_SCHEMA.names,
+                                           (key, rec.split, shard, rec.label, rec.source_path, size)):
+                            rows[name].append(v)
+                    if seen % MANIFEST_GROUP == 0 and len(rows["key"]) >= MANIFEST_FLUSH:
+                        manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
+                        rows = {name: [] for name in MANIFEST_SCHEMA.names}
+                if time.perf_counter() - last_report >= PROGRESS_S:
+                    last_report = time.perf_counter()
+                    print(progress_line(seen, listing.total, last_report - started), file=sys.stderr, flush=True)
+            if seen % MANIFEST_GROUP and len(rows["key"]) >= MANIFEST_FLUSH:
+                manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
+                rows = {name: [] for name in MANIFEST_SCHEMA.names}
+            manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
+        for split in splits.values():
+            split.close()
+        shards = {s: [run.result(h) for h in splits[s].handles] for s in SPLITS}
+    finally:
+        run.close()
+    shutil.rmtree(work)
+    totals = np.sum([class_counts[s] for s in SPLITS], axis=0)
+    empty = [listing.classes[i] for i in np.flatnonzero(totals == 0)]
+    if empty:
+        raise ValueError(f"class(es) {empty} ended up with no decodable images")
+    if not shards["train"]:
+        raise ValueError("the train split is empty; check the source and the split fractions")
+    return {"shards": shards, "class_counts": class_counts, "hist": hist, "peak_task_rss_mb": peak_rss,
+            "bad_files": sorted(bad, key=lambda b: (b["path"], b["split"]))}
+
+
+def _finished_chunk(spool: str) -> dict | None:
+    """The sizes a killed run recorded for this chunk (its spool complete), else None."""
+    try:
+        return json.loads(Path(spool + ".json").read_text()) if os.path.exists(spool) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _chunks(it, n: int):
+    chunk = []
+    for x in it:
+        chunk.append(x)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
