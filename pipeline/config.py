@@ -35,7 +35,8 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes above that re
 BACKENDS = ("ray", "local")
 TRAINING_STAGES = ("pretrain", "finetune")  # also the names of their data sections (data.<stage>)
 HEADS = ("auto", "new")  # finetune.head: keep the pretrained head when the classes are its own, or always new
-ENCODINGS = ("source", "raw")  # data.<name>.encoding: the source's bytes, or decoded pixels (binary PPM)
+# data.<name>.encoding: the source's bytes, decoded pixels (binary PPM), or JPEGs (the source's kept)
+ENCODINGS = ("source", "raw", "jpeg")
 
 
 class ConfigError(ValueError):

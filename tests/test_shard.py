@@ -646,6 +646,28 @@ def cifar10_test_dir(tmp_path_factory) -> Path:
     return dest / "test"
 
 
+def test_fractals_at_imagenet_size_as_jpegs(tmp_path):
+    """``encoding: jpeg`` stores 256-px fractals as RGB JPEGs; a listed record holds no pixels, so tasks render them."""
+    import io
+    import pickle
+
+    from PIL import Image
+
+    from pipeline.data.sources import list_source
+
+    spec = DataConfig(source="fractals", num_classes=2, samples_per_class=5, image_size=256, encoding="jpeg")
+    info = shard_dataset(tmp_path / "a", spec)
+    with tarfile.open(tmp_path / "a" / info["shards"]["train"][0]["name"]) as tar:
+        images = [tar.extractfile(m).read() for m in tar.getmembers() if not m.name.endswith(".cls")]
+    assert images and all(Image.open(io.BytesIO(b)).format == "JPEG" for b in images)
+    assert {Image.open(io.BytesIO(b)).size for b in images} == {(256, 256)}
+    listing = list_source("fractals", seed=0, val_fraction=0.1, test_fraction=0.2, class_names=None, num_classes=2,
+                          samples_per_class=5, image_size=256)
+    records = list(listing.records)
+    records[0].load()
+    assert len(pickle.dumps(records)) < 256 * 256  # no rendered image travels with them
+
+
 def test_shared_cifar10_imagefolder(tmp_path, cifar10_test_dir):
     out = tmp_path / "c10"
     info = shard_dataset(out, DataConfig(source="imagefolder", root=cifar10_test_dir, maxcount=2000))

@@ -35,10 +35,14 @@ TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # OSError numbers reported as "no space left"
 
 
-def _encode(img: Image.Image, fmt: str) -> bytes:
+RESIZE_QUALITY = 95  # a kept JPEG that is turned or downscaled: close to its source
+JPEG_QUALITY = 90  # ``encoding: jpeg``: what an image that is not a JPEG is stored as
+
+
+def _encode(img: Image.Image, fmt: str, quality: int = RESIZE_QUALITY) -> bytes:
     buf = io.BytesIO()
     if KEEP_FORMATS.get(fmt) == "jpg":
-        img.save(buf, "JPEG", quality=95)
+        img.save(buf, "JPEG", quality=quality)
     else:
         img.save(buf, "PNG")
     return buf.getvalue()
@@ -70,7 +74,8 @@ def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding:
 
     Encoded JPEG/PNG inputs are verified by a full decode but written unchanged unless ``max_side``
     forces a downscale or an EXIF orientation tag turns them (:func:`.pixels.upright`: re-encoded the
-    right way up, the loader ignores the tag); arrays are PNG-encoded (lossless). ``encoding="raw"``: instead,
+    right way up, the loader ignores the tag); arrays are PNG-encoded (lossless), or with ``encoding="jpeg"``
+    JPEG-encoded at :data:`JPEG_QUALITY`, as is every other image that is not a JPEG. ``encoding="raw"``: instead,
     the pixels the loader would decode from those bytes, as binary PPM. ``stats`` adds the
     :func:`pixel_histogram` of the stored image (for ``augment.mean/std: dataset``).
     """
@@ -98,7 +103,11 @@ def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding:
         fmt, raw = "PNG", None
         if img.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):
             img = img.convert("RGB")
-    ext, data = KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt)
+    if encoding == "jpeg" and KEEP_FORMATS[fmt] != "jpg":
+        fmt, raw = "JPEG", None
+        img = img if img.mode in ("L", "RGB") else img.convert("RGB")
+    ext, data = KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt, JPEG_QUALITY if encoding == "jpeg"
+                                                                        else RESIZE_QUALITY)
     if encoding == "raw":
         ext, data = "ppm", encode_ppm(decode(ext, data))
     return ext, data, pixel_histogram(img) if stats else None
