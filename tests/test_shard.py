@@ -646,6 +646,11 @@ def cifar10_test_dir(tmp_path_factory) -> Path:
     return dest / "test"
 
 
+def test_progress_line_says_images_per_second_and_what_is_left():
+    assert shard_tasks.progress_line(2500, 10000, 10.0) == "[shard] 2,500/10,000 images (25%), 250 img/s, ETA 0m30s"
+    assert shard_tasks.progress_line(1000, 10**6, 10.0).endswith("100 img/s, ETA 2h46m")
+
+
 def test_fractals_at_imagenet_size_as_jpegs(tmp_path):
     """``encoding: jpeg`` stores 256-px fractals as RGB JPEGs; a listed record holds no pixels, so tasks render them."""
     import io

@@ -39,6 +39,7 @@ RUN = "run.json"  # what the staged work was made from: a run with other params 
 MANIFEST_GROUP, MANIFEST_FLUSH = 256, 8192  # manifest row groups: flushed at this many rows, checked per group
 PROGRESS_S = 10.0  # seconds between progress lines
 AUTO_RAY_MIN = 20_000  # shard_tasks: null shards a set this large on the Ray cluster's CPUs, smaller ones here
+LAST_RUN: dict[str, Any] = {}  # what the last write_all here saw of its tasks (benchmarks and tests read it)
 
 
 def _peak_rss_mb() -> float:
@@ -71,7 +72,7 @@ def encode_chunk(records: list, spool: str, max_side, encoding: str) -> dict:
             if img_hist is not None:
                 hist += img_hist
     os.replace(part, spool)
-    meta = {"entries": entries, "hist": hist.tolist(), "peak_rss_mb": _peak_rss_mb()}
+    meta = {"entries": entries, "hist": hist.tolist(), "peak_rss_mb": _peak_rss_mb(), "pid": os.getpid()}
     _write_json(Path(spool + ".json"), meta)
     return meta
 
@@ -235,7 +236,7 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
     allowed_bad = math.floor(max_bad_fraction * listing.total + 1e-9)
     rows: dict[str, list] = {name: [] for name in MANIFEST_SCHEMA.names}
     hist = np.zeros((3, 256), dtype=np.int64)
-    peak_rss = 0.0
+    peak_rss, pids = 0.0, set()
     chunks = ((c, part) for c, part in enumerate(_chunks(listing.records, CHUNK)))
     pending: deque = deque()  # (records, spool, handle or meta), in listing order
     seen, started, last_report = 0, time.perf_counter(), time.perf_counter()
@@ -262,7 +263,8 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
                     continue
                 pending.popleft()
                 meta = handle if isinstance(handle, dict) else run.result(handle)
-                peak_rss = max(peak_rss, meta.get("peak_rss_mb", 0.0))
+                peak_rss = max(peak_rss, meta["peak_rss_mb"])
+                pids.add(meta["pid"])
                 hist += np.asarray(meta["hist"], dtype=np.int64)
                 offset = 0
                 for rec, (ext, size) in zip(part, meta["entries"]):
@@ -297,13 +299,15 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
     finally:
         run.close()
     shutil.rmtree(work)
+    LAST_RUN.clear()
+    LAST_RUN.update(tasks=run.slots, ray=isinstance(run, _Ray), task_pids=sorted(pids), peak_task_rss_mb=peak_rss)
     totals = np.sum([class_counts[s] for s in SPLITS], axis=0)
     empty = [listing.classes[i] for i in np.flatnonzero(totals == 0)]
     if empty:
         raise ValueError(f"class(es) {empty} ended up with no decodable images")
     if not shards["train"]:
         raise ValueError("the train split is empty; check the source and the split fractions")
-    return {"shards": shards, "class_counts": class_counts, "hist": hist, "peak_task_rss_mb": peak_rss,
+    return {"shards": shards, "class_counts": class_counts, "hist": hist,
             "bad_files": sorted(bad, key=lambda b: (b["path"], b["split"]))}
 
 
