@@ -721,29 +721,29 @@ def test_pixel_stats_are_the_train_split_stats(tmp_path):
     assert len(set(info["pixel_stats"]["mean"])) == 3  # colour images: the channels differ
 
 
+@pytest.mark.slow
 def test_shard_benchmark_runs_on_a_small_imagefolder(tmp_path):
     """``benchmarks/shard_speed.py`` (docs/data.md's sharding benchmark), shrunk: an ImageFolder given as ``--data``
-    (so no CIFAR-10 tarball is extracted) sharded by the stage's code, the rate and peak RSS printed."""
-    import re
-
+    (so no CIFAR-10 tarball is extracted), upscaled to 40 px, sharded by 1 and 2 Ray tasks, re-encoded and copied;
+    its last line the figures as JSON, recorded where the tests send records."""
     make_imagefolder(tmp_path / "data", splits=["train"], per_class=10)
-    proc = subprocess.run([sys.executable, "benchmarks/shard_speed.py", "--data", tmp_path / "data",
-                           "--out", tmp_path / "out", "--maxcount", "8"],
+    proc = subprocess.run([sys.executable, "benchmarks/shard_speed.py", "--data", tmp_path / "data", "--image-size", "40",
+                           "--max-side", "16", "--out", tmp_path / "out", "--maxcount", "8", "--json"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rate = re.search(r"imagefolder: (\d+) images -> (\d+) shards \(\d+ MB\) in [\d.]+ s = (\d+) img/s wall",
-                     proc.stdout)
-    assert rate, proc.stdout
-    info = read_dataset_info(tmp_path / "out")
-    assert int(rate[1]) == sum(info["counts"].values()) == 30  # every image, in train / val / test
-    assert int(rate[2]) == sum(len(v) for v in info["shards"].values()) == len(list((tmp_path / "out").glob("*.tar")))
-    assert int(rate[3]) > 0
-    assert re.search(r"peak RSS \d+ MB \(after imports \d+ MB; sharding adds -?\d+ MB\)", proc.stdout), proc.stdout
-    # its figures recorded where the tests send records ($VIT_RESULTS_DIR), not in the repository
+    figures = json.loads(proc.stdout.splitlines()[-1])
+    assert figures["images"] == 30 and figures["identical"] is True
+    assert set(figures["img_per_s_per_core"]) == set(figures["scaling_1_to_2"]) == {"reencode", "copy"}
+    assert all(v > 0 for v in figures["img_per_s_per_core"].values())
+    assert re.search(r"reencode, 2 task\(s\): 30 images -> \d+ shards in [\d.]+ s = \d+ img/s", proc.stdout), proc.stdout
+    info = read_dataset_info(tmp_path / "out" / "reencode-2")
+    assert info["params"]["max_side"] == 16 and sum(info["counts"].values()) == 30
     record = json.loads((Path(os.environ["VIT_RESULTS_DIR"]) / "shard_speed.jsonl").read_text().splitlines()[-1])
-    assert record["figures"]["images"] == 30 and record["case"] == "imagefolder"
+    assert record["figures"]["images"] == 30 and record["case"] == "imagefolder-40px"
     assert record["command"].startswith("python benchmarks/shard_speed.py --data ")
 
+
+def test_shard_benchmark_names_a_missing_or_damaged_tarball(tmp_path):
     # --cifar-tarball: a missing or a damaged one is one line, exit 2 (it was exit 1, or a traceback), nothing left
     (tmp_path / "cut.tar.gz").write_bytes(b"\x1f\x8b not a whole tarball")
     for tarball, says in (("nope.tar.gz", "no such CIFAR-10 tarball"), ("cut.tar.gz", "not a whole CIFAR-10 tarball")):
