@@ -54,11 +54,11 @@ def _write_json(path: Path, obj) -> None:
 
 def encode_chunk(records: list, spool: str, max_side, encoding: str) -> dict:
     """Encode ``records`` into ``spool`` (their bytes back to back); return, and write beside it as JSON,
-    each record's ``[ext, size]`` (``[None, error]`` if undecodable), the train records' pixel histogram
-    and this process's peak RSS."""
+    each record's ``[ext, size]`` (``[None, error]`` if undecodable), the train records' pixel histogram,
+    this process's peak RSS and the CPU time the chunk took."""
     from .shard_writer import STATS_SPLIT, prepare
 
-    entries, hist = [], np.zeros((3, 256), dtype=np.int64)
+    entries, hist, cpu0 = [], np.zeros((3, 256), dtype=np.int64), time.thread_time()
     part = spool + ".part"
     with open(part, "wb") as f:
         for rec in records:
@@ -72,7 +72,8 @@ def encode_chunk(records: list, spool: str, max_side, encoding: str) -> dict:
             if img_hist is not None:
                 hist += img_hist
     os.replace(part, spool)
-    meta = {"entries": entries, "hist": hist.tolist(), "peak_rss_mb": _peak_rss_mb(), "pid": os.getpid()}
+    meta = {"entries": entries, "hist": hist.tolist(), "peak_rss_mb": _peak_rss_mb(), "pid": os.getpid(),
+            "cpu_s": time.thread_time() - cpu0}
     _write_json(Path(spool + ".json"), meta)
     return meta
 
@@ -236,7 +237,7 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
     allowed_bad = math.floor(max_bad_fraction * listing.total + 1e-9)
     rows: dict[str, list] = {name: [] for name in MANIFEST_SCHEMA.names}
     hist = np.zeros((3, 256), dtype=np.int64)
-    peak_rss, pids = 0.0, set()
+    peak_rss, pids, cpu_s = 0.0, set(), 0.0
     chunks = ((c, part) for c, part in enumerate(_chunks(listing.records, CHUNK)))
     pending: deque = deque()  # (records, spool, handle or meta), in listing order
     seen, started, last_report = 0, time.perf_counter(), time.perf_counter()
@@ -265,6 +266,7 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
                 meta = handle if isinstance(handle, dict) else run.result(handle)
                 peak_rss = max(peak_rss, meta["peak_rss_mb"])
                 pids.add(meta["pid"])
+                cpu_s += meta["cpu_s"]
                 hist += np.asarray(meta["hist"], dtype=np.int64)
                 offset = 0
                 for rec, (ext, size) in zip(part, meta["entries"]):
@@ -300,7 +302,8 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
         run.close()
     shutil.rmtree(work)
     LAST_RUN.clear()
-    LAST_RUN.update(tasks=run.slots, ray=isinstance(run, _Ray), task_pids=sorted(pids), peak_task_rss_mb=peak_rss)
+    LAST_RUN.update(tasks=run.slots, ray=isinstance(run, _Ray), task_pids=sorted(pids), peak_task_rss_mb=peak_rss,
+                    encode_cpu_s=cpu_s)
     totals = np.sum([class_counts[s] for s in SPLITS], axis=0)
     empty = [listing.classes[i] for i in np.flatnonzero(totals == 0)]
     if empty:
