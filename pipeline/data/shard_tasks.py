@@ -16,7 +16,6 @@ import math
 import os
 import resource
 import shutil
-import sys
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -129,12 +128,19 @@ class _Ray:
     def __init__(self, tasks: int):
         import ray
 
-        self.ray, self.slots, self.remote = ray, tasks, {}
+        self.ray, self.slots, self.remote, self.submitted = ray, tasks, {}, []
 
     def submit(self, fn, *args):
         if fn not in self.remote:
             self.remote[fn] = self.ray.remote(num_cpus=1, max_retries=2)(fn)
-        return self.remote[fn].remote(*args)
+        ref = self.remote[fn].remote(*args)
+        if len(self.submitted) >= 64:  # keep only those still running: their results are not held here
+            self.submitted = self._running()
+        self.submitted.append(ref)
+        return ref
+
+    def _running(self) -> list:
+        return self.ray.wait(self.submitted, num_returns=len(self.submitted), timeout=0)[1] if self.submitted else []
 
     def wait_one(self, handles: list) -> None:
         self.ray.wait(handles, num_returns=1)
@@ -149,7 +155,9 @@ class _Ray:
             raise exc.cause from None
 
     def close(self) -> None:
-        pass
+        """Cancel what is still running (after an error or a signal here), before the staging folder goes."""
+        for ref in self._running():
+            self.ray.cancel(ref, force=True)
 
 
 def runner(tasks: int, total: int, ray_cfg=None):
@@ -290,7 +298,7 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
                         rows = {name: [] for name in MANIFEST_SCHEMA.names}
                 if time.perf_counter() - last_report >= PROGRESS_S:
                     last_report = time.perf_counter()
-                    print(progress_line(seen, listing.total, last_report - started), file=sys.stderr, flush=True)
+                    print(progress_line(seen, listing.total, last_report - started), flush=True)
             if seen % MANIFEST_GROUP and len(rows["key"]) >= MANIFEST_FLUSH:
                 manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
                 rows = {name: [] for name in MANIFEST_SCHEMA.names}
