@@ -215,6 +215,39 @@ class _Split:
             self.members = []
 
 
+class _Spools:
+    """Chunk spools deleted once every shard that reads them is written: the staging folder holds the
+    output and the spools of the chunks in flight, not a second copy of the set. A chunk's sizes stay
+    (a resumed run lays the shards out from them)."""
+
+    def __init__(self, run):
+        self.run, self.users, self.laid, self.assembling = run, {}, set(), []
+
+    def assemble(self, path: str, members: list[tuple]):
+        read = {m[0] for m in members}
+        for spool in read:
+            self.users[spool] = self.users.get(spool, 0) + 1
+        handle = self.run.submit(assemble_shard, path, members)
+        self.assembling.append((handle, read))
+        return handle
+
+    def release(self, spool: str, splits) -> None:
+        """``spool``'s records are laid out; delete the spools no shard still needs."""
+        self.laid.add(spool)
+        still = []
+        for handle, read in self.assembling:
+            if self.run.done(handle):
+                for s in read:
+                    self.users[s] -= 1
+            else:
+                still.append((handle, read))
+        self.assembling = still
+        open_shards = {m[0] for split in splits for m in split.members}
+        for s in [s for s in self.laid if not self.users.get(s) and s not in open_shards]:
+            Path(s).unlink(missing_ok=True)
+            self.laid.discard(s)
+
+
 def prepare_staging(tmp: Path, run: dict) -> Path:
     """The work folder in ``tmp``: kept from a killed run with the same ``run`` description, else new."""
     work = tmp / WORK
@@ -238,8 +271,8 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
 
     work = tmp / WORK
     run = runner(tasks, listing.total, ray_cfg)
-    splits = {s: _Split(tmp, s, maxcount, maxsize, lambda path, members: run.submit(assemble_shard, path, members))
-              for s in SPLITS}
+    spools = _Spools(run)
+    splits = {s: _Split(tmp, s, maxcount, maxsize, spools.assemble) for s in SPLITS}
     class_counts = {s: [0] * len(listing.classes) for s in SPLITS}
     bad: list[dict] = []
     allowed_bad = math.floor(max_bad_fraction * listing.total + 1e-9)
@@ -296,6 +329,7 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
                     if seen % MANIFEST_GROUP == 0 and len(rows["key"]) >= MANIFEST_FLUSH:
                         manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
                         rows = {name: [] for name in MANIFEST_SCHEMA.names}
+                spools.release(spool, splits.values())
                 if time.perf_counter() - last_report >= PROGRESS_S:
                     last_report = time.perf_counter()
                     print(progress_line(seen, listing.total, last_report - started), flush=True)
@@ -323,9 +357,9 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
 
 
 def _finished_chunk(spool: str) -> dict | None:
-    """The sizes a killed run recorded for this chunk (its spool complete), else None."""
+    """The sizes a killed run recorded for this chunk (written once its spool was complete), else None."""
     try:
-        return json.loads(Path(spool + ".json").read_text()) if os.path.exists(spool) else None
+        return json.loads(Path(spool + ".json").read_text())
     except (OSError, ValueError):
         return None
 
