@@ -19,9 +19,9 @@ from pipeline.data import (
     make_eval_loader,
     make_train_loader,
     read_dataset_info,
+    record_encode,
     shard_dataset,
     shard_tasks,
-    shard_writer as shard_mod,
 )
 from tests.data_helpers import (
     CIFAR_TGZ,
@@ -135,7 +135,7 @@ def test_a_signal_while_the_shards_are_swapped_in_keeps_the_previous_ones(tmp_pa
 
 def test_atomic_on_failure(tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = shard_mod.prepare
+    real = record_encode.prepare
 
     def flaky(rec, max_side, **kw):
         calls["n"] += 1
@@ -143,7 +143,7 @@ def test_atomic_on_failure(tmp_path, monkeypatch):
             raise RuntimeError("boom mid-way")
         return real(rec, max_side, **kw)
 
-    monkeypatch.setattr(shard_mod, "prepare", flaky)
+    monkeypatch.setattr(record_encode, "prepare", flaky)
     with pytest.raises(RuntimeError, match="boom"):
         shard_dataset(tmp_path / "out", DataConfig(source="digits", maxcount=100))
     assert list(tmp_path.iterdir()) == []  # no out_dir, no temp dir
@@ -152,7 +152,7 @@ def test_atomic_on_failure(tmp_path, monkeypatch):
 def test_atomic_failure_keeps_previous_output(tmp_path, monkeypatch):
     out = tmp_path / "out"
     first = shard_dataset(out, DataConfig(source="digits", maxcount=1000))
-    monkeypatch.setattr(shard_mod, "prepare", lambda rec, ms, **kw: (_ for _ in ()).throw(KeyError("x")))
+    monkeypatch.setattr(record_encode, "prepare", lambda rec, ms, **kw: (_ for _ in ()).throw(KeyError("x")))
     with pytest.raises(KeyError):
         shard_dataset(out, DataConfig(source="digits", maxcount=10))
     assert read_dataset_info(out) == first

@@ -2,7 +2,7 @@
 this process's threads, or as Ray tasks), each record's bytes spooled to disk; the records are laid
 into shards in listing order here; each shard is assembled whole from the spools by a task.
 
-The output does not depend on the split: a record's bytes come from :func:`.shard_writer.prepare`
+The output does not depend on the split: a record's bytes come from :func:`.record_encode.prepare`
 alone, and shard boundaries follow webdataset's ShardWriter rule (a new shard once ``maxcount``
 records or ``maxsize`` bytes of member data are in the current one), applied in order to the sizes
 the chunks report. A task holds one chunk's records and one image at a time. A killed run leaves its
@@ -11,6 +11,7 @@ the same params keeps them and does the rest.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -29,9 +30,14 @@ import webdataset as wds
 
 from pipeline.utils import MANIFEST
 
+from . import record_encode
 from .pixels import BadImage
+from .record_encode import STATS_SPLIT
 from .splits import SPLITS, SourceListing
 
+MANIFEST_SCHEMA = pa.schema([("key", pa.string()), ("split", pa.string()), ("shard", pa.string()),
+                             ("label", pa.int64()), ("source_path", pa.string()), ("bytes", pa.int64())])
+TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
 CHUNK = 512  # records per encode task: a multiple of the fractals' render batch
 WORK = ".work"  # the staging folder's bookkeeping: chunk spools and their sizes, removed before publishing
 RUN = "run.json"  # what the staged work was made from: a run with other params starts afresh
@@ -55,14 +61,12 @@ def encode_chunk(records: list, spool: str, max_side, encoding: str) -> dict:
     """Encode ``records`` into ``spool`` (their bytes back to back); return, and write beside it as JSON,
     each record's ``[ext, size]`` (``[None, error]`` if undecodable), the train records' pixel histogram,
     this process's peak RSS and the CPU time the chunk took."""
-    from .shard_writer import STATS_SPLIT, prepare
-
     entries, hist, cpu0 = [], np.zeros((3, 256), dtype=np.int64), time.thread_time()
     part = spool + ".part"
     with open(part, "wb") as f:
         for rec in records:
             try:
-                ext, data, img_hist = prepare(rec, max_side, stats=rec.split == STATS_SPLIT, encoding=encoding)
+                ext, data, img_hist = record_encode.prepare(rec, max_side, stats=rec.split == STATS_SPLIT, encoding=encoding)
             except BadImage as exn:
                 entries.append([None, str(exn)])
                 continue
@@ -80,8 +84,6 @@ def encode_chunk(records: list, spool: str, max_side, encoding: str) -> dict:
 def assemble_shard(path: str, members: list[tuple]) -> dict:
     """Write the tar ``path`` from ``members`` ``(spool, offset, size, ext, key, label)``, unless a
     previous run finished it; return its dataset.json entry."""
-    from .shard_writer import TAR_META, _sha256
-
     if not os.path.exists(path):
         part, spools = path + ".part", {}
         try:
@@ -267,8 +269,6 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
               tasks, ray_cfg=None) -> dict[str, Any]:
     """Encode, lay out and assemble every record of ``listing`` into ``tmp``; ``tmp/WORK`` must exist
     (:func:`prepare_staging`). Returns the shards per split, class counts, the train histogram, the bad files."""
-    from .shard_writer import MANIFEST_SCHEMA
-
     work = tmp / WORK
     run = runner(tasks, listing.total, ray_cfg)
     spools = _Spools(run)
@@ -354,6 +354,14 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
         raise ValueError("the train split is empty; check the source and the split fractions")
     return {"shards": shards, "class_counts": class_counts, "hist": hist,
             "bad_files": sorted(bad, key=lambda b: (b["path"], b["split"]))}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _finished_chunk(spool: str) -> dict | None:
