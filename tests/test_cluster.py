@@ -456,6 +456,7 @@ def test_cluster_params_overlay(tmp_path, capsys):
     assert gpu_group["replicas"] >= p.ray.num_workers  # one Ray Train worker per GPU pod
 
 
+@pytest.mark.slow
 def test_dockerfile_image_holds_what_it_runs(tmp_path):
     """Without Docker (no registry here): the files the Dockerfile COPYs, laid out as in the image,
     pass the image's own import check and install as the package; the lock is what it installs."""

@@ -259,6 +259,7 @@ def test_unreadable_params_file_is_a_config_error_naming_it(tmp_path, name, cont
     assert str(err.value).startswith(str(path)) and needle in str(err.value), str(err.value)
 
 
+@pytest.mark.slow
 def test_stage_with_unreadable_params_exits_2(tmp_path):
     """What a stage prints for one of the above ($VIT_PARAMS naming a directory was exit 1)."""
     proc = subprocess.run([sys.executable, "-m", "stages.shard", "pretrain"], cwd=tmp_path, capture_output=True,
@@ -267,6 +268,7 @@ def test_stage_with_unreadable_params_exits_2(tmp_path):
     assert (proc.returncode, proc.stderr) == (2, f"error: $VIT_PARAMS: {tmp_path}: cannot read it (Is a directory)\n")
 
 
+@pytest.mark.slow
 def test_stage_exits_nonzero_with_message_before_any_work(tmp_path):
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["model"]["num_heads"] = 3
@@ -278,6 +280,7 @@ def test_stage_exits_nonzero_with_message_before_any_work(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, line", [
     ("pretrain", "error: data/shards/pretrain/dataset.json not found: data/shards/pretrain holds no shard stage's "
                  "output; run the shard stage first (dvc repro, or python -m stages.shard pretrain)\n"),
@@ -300,6 +303,7 @@ def test_empty_params_file_is_an_error(tmp_path, text):
         load_params(tmp_path / "params.yaml")
 
 
+@pytest.mark.slow
 def test_stage_with_empty_params_exits_2(tmp_path):
     (tmp_path / "params.yaml").write_text("\n")
     proc = subprocess.run([sys.executable, "-m", "stages.shard", "pretrain"], cwd=tmp_path, capture_output=True,
@@ -319,6 +323,7 @@ def test_worker_batch_and_schedule():
     assert lrs[-1] == pytest.approx(1e-2, abs=2e-3)  # ends near min_lr / base_lr
 
 
+@pytest.mark.slow
 def test_cifar10_recipe_expands_to_valid_overrides(tmp_path):
     import shlex
 
@@ -336,6 +341,7 @@ def test_cifar10_recipe_expands_to_valid_overrides(tmp_path):
     assert main([str(ROOT / "configs/cifar10.yaml"), "--set", "model.num_heads=5"]) == 2
 
 
+@pytest.mark.slow
 def test_recipe_overrides_are_what_dvc_exp_run_applies(tmp_path):
     """The printed `-S` arguments through DVC's own override code (what `dvc exp run -S` / `--queue`
     does to params.yaml): keys params.yaml leaves out are added, augment dicts replaced whole."""

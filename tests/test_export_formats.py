@@ -22,6 +22,7 @@ from pipeline.model import build_vit
 EXTRA = {"classes": ["ant", "bee", "cow"], "image_size": 8, "normalize": {"mean": [0.5] * 3, "std": [0.25] * 3}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
 def test_export_without_safetensors_has_config(tmp_path, capsys, fmt):
     """config.json is written whatever the formats (only safetensors wrote it): predict reads it."""

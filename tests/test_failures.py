@@ -75,6 +75,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, line", [
     (["-m", "stages.evaluate", "extra"], "error: stage evaluate takes no arguments, got: extra"),
     (["-m", "pipeline", "stage", "export", "--force"], "error: stage export takes no arguments, got: --force"),

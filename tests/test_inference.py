@@ -36,6 +36,7 @@ def test_a_moved_view_is_the_image_moved_over_black_pixels():
     assert torch.equal(apply_view(finish(pixels), View(), black), finish(pixels))
 
 
+@pytest.mark.slow
 def test_views_are_predicted_as_listed_and_averaged(digits_dir):
     model = digits_model()
     alone = predict(model, digits_dir, "none")

@@ -120,6 +120,7 @@ def test_submit_names_the_job_it_will_ask_about(stub_ray, job_api, tmp_path):
     assert re.fullmatch(r"vit-\d{8}-\d{6}-\d+", args[args.index("--submission-id") + 1]), args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env, argv, needle", [
     ({"RAY_AUTH_TOKEN": ""}, [], "submit: no Ray token: set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH"),
     ({"RAY_AUTH_TOKEN": "wrong"}, [], "refused the token from RAY_AUTH_TOKEN (HTTP 403)"),
@@ -338,6 +339,7 @@ def test_init_ray_passes_the_users_ray_train_settings_to_the_ranks(own_environ, 
                                                  "RAY_TRAIN_ENABLE_PRINT_PATCH": "1"}
 
 
+@pytest.mark.slow
 def test_mlflow_server_keeps_the_store_uri_off_its_command_line(mlflow_server):
     """The store's URI (a postgresql://user:password@… one on a team server) reaches `mlflow server` by the
     environment: on the command line every user of the machine read it with ps for as long as it ran."""

@@ -511,6 +511,7 @@ def test_augment_dataset_normalisation(digits_dir):
     assert resolve_augment({"mean": "dataset"}, allow_dataset=True)["mean"] == "dataset"
 
 
+@pytest.mark.slow
 def test_loader_benchmark_runs_all_four_loaders(tmp_path):
     """``benchmarks/loader_speed.py``, shrunk: an ImageFolder given as ``--data`` (so no CIFAR-10 tarball
     is extracted), sharded both ways, each loader timed, the ratios printed."""

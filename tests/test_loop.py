@@ -38,6 +38,7 @@ def _steps(model, device: torch.device, steps: int = 2, **cfg):
     return losses, {k: v.cpu() for k, v in m.state_dict().items()}, stepper
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_step_matches_eager(mode):
     """``compile: true`` trains the same model, in each ``compile_mode`` (on a CPU ``reduce-overhead``
@@ -182,6 +183,7 @@ def test_grad_checkpointing_step_equals_the_plain_step():
         assert torch.equal(ck[k], plain[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, line", [
     (("--preset", "nope"), "train_memory.py: error: argument --preset: invalid choice: 'nope' (choose from 'base',"),
     (("--preset", "nano", "--patch-size", "5"), "train_memory.py: error: image_size[0]: 224 is not divisible by "
@@ -194,6 +196,7 @@ def test_train_memory_benchmark_refuses_a_model_it_cannot_build(args, line):
     assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr
 
 
+@pytest.mark.slow
 def test_train_memory_benchmark_runs_on_cpu():
     """docs/training.md's activation-memory benchmark, shortened: both sides measured and compared."""
     proc = run_as_on_gpu_box("benchmarks/train_memory.py", "--preset", "nano", "--patch-size", "4",
@@ -339,6 +342,7 @@ def record_step(step: int, ctx, path: str) -> None:
         f.write(f"{ctx.rank}:{step}\n")
 
 
+@pytest.mark.slow
 def test_step_hooks_run_by_name_before_each_step(digits_dir, tmp_path):
     """``LoopRun.step_hooks`` names ``module:function=argument``; the loop imports and calls each one
     before every optimizer step (how tests/faults.py injects failures into Ray workers)."""
@@ -362,6 +366,7 @@ def sleep_step(step: int, ctx, seconds: str) -> None:
     time.sleep(float(seconds))
 
 
+@pytest.mark.slow
 def test_epoch_reports_the_time_spent_waiting_for_input(digits_dir, tmp_path, capsys):
     """``input_wait_s`` (timm's data_time): the seconds the loop waited for its batches, not the steps'
     own time. A hook that sleeps 0.2 s before each of 3 steps makes the epoch long, not the wait."""
@@ -387,6 +392,7 @@ def test_epoch_reports_the_time_spent_waiting_for_input(digits_dir, tmp_path, ca
     assert share and abs(int(share[1]) - 100 * epoch["input_wait_s"] / epoch["epoch_time_s"]) <= 0.5 + 1e-9
 
 
+@pytest.mark.slow
 def test_a_long_epoch_prints_lines_within_it(digits_dir, tmp_path, capsys, monkeypatch):
     """Rank 0 prints a line within an epoch at a logged step once none has come for PROGRESS_EVERY_S
     (here 0: at every logged step), with the step's global loss, the pace and the ETA; not at a step
@@ -411,6 +417,7 @@ def test_a_long_epoch_prints_lines_within_it(digits_dir, tmp_path, capsys, monke
     assert [ln[:30] for ln in capsys.readouterr().out.splitlines() if " epoch 1/1 " in ln] == [lines[-1][:30]]
 
 
+@pytest.mark.slow
 def test_graph_safe_run_checkpoints_and_a_plain_run_continues_it(digits_dir, tmp_path):
     """A ``cuda_graph: true`` run (on a CPU its graph-safe step runs eagerly) checkpoints its tensor
     learning rates and EMA; a plain run continues from its first epoch (``cuda_graph`` is not part of
@@ -880,6 +887,7 @@ def test_a_resumed_launch_logs_no_step_twice(digits_dir, tmp_path):
     assert histories() == first
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_only_data_and_a_planted_one_is_refused_unrun(digits_dir, tmp_path):
     """Checkpoints load with ``weights_only=True`` (every object in them: optimizer, scheduler, fp16 grad
     scaler, EMA, selection, history, each RNG state) and resume; a state.pt that holds anything else is

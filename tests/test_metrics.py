@@ -107,6 +107,7 @@ def test_confusion_x_labels_do_not_overlap(monkeypatch):
         plots.plt.close(fig)
 
 
+@pytest.mark.slow
 def test_evaluate_agrees_with_its_csv_files(digits_dir, tmp_path, monkeypatch):
     """A zero-initialised head (all logits tied), class names with commas (as Hugging Face's) and a class
     the test split lacks: evaluate.json's top-1 is confusion.csv's accuracy, both CSVs read back

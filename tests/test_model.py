@@ -325,6 +325,7 @@ def test_convert_torchvision_same_logits():
     assert (out - expected).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_convert_vit_b16_torchvision_keys_and_resample():
     import torchvision.models as tv
     with torch.device("meta"):
@@ -517,6 +518,7 @@ def _saved_bytes(model: VisionTransformer, x: torch.Tensor) -> int:
     return sum(kept.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", ["cls", "mean"])
 def test_grad_checkpointing_gives_the_same_gradients_and_keeps_less(pool):
     """Checkpointed blocks (both forward paths) give bit-identical loss and gradients, stochastic depth
@@ -711,6 +713,7 @@ def test_finetune_keeps_the_head_only_for_the_pretrained_classes(tmp_path, capsy
         load_params(root / "params.yaml", overrides={"finetune.head": "keep"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, says", [
     (["--cases", "nano,foo"], "--cases: foo not among nano, tiny"),
     (["--threads", "0"], "argument --threads: '0' is not valid: must be an integer >= 1"),  # torch raised

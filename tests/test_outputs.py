@@ -188,6 +188,7 @@ cli.run_stage(demo)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("again", [1, 2])
 def test_ctrl_c_again_while_the_stage_cleans_up(stage_dir, again):
     """Ctrl-C pressed again while a stopping stage cleans up raised inside the clean-up: Ray's shutdown cut

@@ -59,6 +59,7 @@ def test_predict_help_imports_no_ray_or_mlflow():
 NOOP_STAGE = "from pipeline.cli import run_stage; run_stage(lambda params: print('ran'), name='noop')"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call, params, code", [
     (NOOP_STAGE, "data:\n  pretrain:\n    source: digits\n", 0),
     (NOOP_STAGE, "\n", 2),  # an empty params file: exit 2 before the stage runs
@@ -79,6 +80,7 @@ def test_entry_points_freeze_the_heap_at_exit(tmp_path, call, params, code):
     assert ("ran" in proc.stdout.splitlines()) == (params is not None and code == 0)
 
 
+@pytest.mark.slow
 def test_stage_runs_the_stage_module():
     """`vit-pipeline stage shard <bad name>` reaches stages/shard.py's own check (exit 2, its usage line)."""
     proc = subprocess.run([sys.executable, "-m", "pipeline", "stage", "shard", "nope"], cwd=ROOT,

@@ -45,6 +45,7 @@ def _stage(name: str, params, metrics: dict | None = None, fail: bool = False) -
     return run.info.run_id
 
 
+@pytest.mark.slow
 def test_parent_carries_results_datasets_and_spans_the_stages(workdir, monkeypatch, capsys):
     monkeypatch.setenv("DVC_EXP_NAME", "interp-bilinear")
     params = load_params("params.yaml", {"finetune.interpolation.mode": "bilinear"})
@@ -135,6 +136,7 @@ def test_every_stage_run_records_what_it_computed_on(workdir):
     assert parent.data.tags["evaluate.device"] == here["env.device"]
 
 
+@pytest.mark.slow
 def test_a_failed_stage_fails_the_pipeline_run_and_a_rerun_resumes_it(workdir, capsys):
     params = load_params("params.yaml")
     with pytest.raises(RuntimeError):
@@ -179,6 +181,7 @@ def _register(client, run, name: str = "vit-pipeline") -> int:
     return int(client.create_model_version(name, f"runs:/{run.info.run_id}/model", run_id=run.info.run_id).version)
 
 
+@pytest.mark.slow
 def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, monkeypatch):
     """The export stage's version carries the pipeline run, DVC experiment, data, the run that trained the
     model and the test metrics of that model's evaluation (not another model's); the pipeline run names
@@ -236,6 +239,7 @@ def test_registered_version_names_its_pipeline_run_and_how_it_tested(workdir, mo
         "not evaluated when registered (the pipeline run has the test metrics once evaluate ends).")
 
 
+@pytest.mark.slow
 def test_a_registered_version_that_cannot_be_fetched_is_one_error(workdir, tmp_path, monkeypatch):
     """predict's --model models:/...: a version without exports/ artifacts, an alias or model that is not
     there, a URI that names no version: a ModelFileError naming the URI (predict: one line, exit 2)."""
@@ -265,6 +269,7 @@ def test_a_registered_version_that_cannot_be_fetched_is_one_error(workdir, tmp_p
             download_export(bad, ["config.json"], tmp_path)
 
 
+@pytest.mark.slow
 def test_stages_given_other_params_by_vit_params_are_other_pipeline_runs(workdir, monkeypatch):
     """``$VIT_PARAMS`` (a cluster job's params, infra/job.sh) names the file the stages read; the pipeline
     run is that file's, not ./params.yaml's: two jobs with different params are two pipeline runs, each
@@ -290,6 +295,7 @@ def test_stages_given_other_params_by_vit_params_are_other_pipeline_runs(workdir
 EXPORT_OK = {"passed": True, "formats": {"onnx": {"max_abs_diff": 1e-6, "top1_agreement": 1.0}}}
 
 
+@pytest.mark.slow
 def test_stages_dvc_skips_after_the_one_that_runs_are_filled_in_with_their_shards(workdir, monkeypatch):
     """`dvc exp run -S evaluate.tta=hflip`: only evaluate runs; finetune (before it) and export (after it)
     keep their outputs, so the pipeline run takes their numbers, producing runs, registered version and
@@ -365,6 +371,7 @@ def test_a_model_published_again_keeps_the_stages_after_it(workdir, monkeypatch)
     assert by_name["again"].data.metrics["test_top1"] == 0.25 and by_name["again"].data.tags["evaluate.reused"] == "true"
 
 
+@pytest.mark.slow
 def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir, monkeypatch):
     """Only evaluate and export run (their params changed), in either order: the one still to run is
     filled in from its previous outputs when the other ends; when it then runs, its own results replace
@@ -399,6 +406,7 @@ def test_a_stage_filled_in_before_it_runs_keeps_nothing_of_that(workdir, monkeyp
     assert t["export.reused"] == "false" and t["export.status"] == "FAILED" and "registered_model" not in t
 
 
+@pytest.mark.slow
 def test_git_dirty_is_about_code_not_params_or_the_pipelines_own_outputs(workdir, monkeypatch):
     """``git.dirty`` stays false while the stages rewrite what they keep in git (metrics/, plots/,
     dvc.lock) and for a params.yaml edit (every `dvc exp run -S` makes one; the runs log the params in
@@ -478,6 +486,7 @@ def test_a_stop_while_the_pipeline_run_starts_ends_it_killed(workdir, monkeypatc
     assert client.get_run(parent.info.run_id).data.tags["evaluate.status"] == "KILLED"
 
 
+@pytest.mark.slow
 def test_a_finished_training_run_stays_under_its_pipeline_and_an_unfinished_one_resumes(workdir, monkeypatch):
     """The MLflow run of a Ray run that finished belongs to its pipeline run: launched again under another
     pipeline (`dvc exp run -f`, a code change) the stage opens a new run naming it, instead of taking it

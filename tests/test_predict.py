@@ -120,6 +120,7 @@ def test_directories_without_images_fail(export_dir, images, tmp_path, capsys):
     assert f"error: {notes}: no image files in this directory" in captured.err
 
 
+@pytest.mark.slow
 def test_cli_corrupt_onnx(export_dir, images, tmp_path):
     """The real command line: one error line naming the file, no traceback, exit 2."""
     model = _damaged_copy(export_dir, tmp_path / "exports", "model.onnx", b"not an onnx model")

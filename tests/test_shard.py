@@ -75,6 +75,7 @@ def test_digits_tar_contents(digits_dir):
         assert np.asarray(img).max() > 200  # scaled from 0..16 to 0..255
 
 
+@pytest.mark.slow
 def test_byte_identical_rerun(tmp_path):
     a = shard_dataset(tmp_path / "a", DataConfig(source="digits", maxcount=500, seed=3))
     b = shard_dataset(tmp_path / "b", DataConfig(source="digits", maxcount=500, seed=3))
@@ -338,6 +339,7 @@ def test_bad_file_report_is_byte_identical_between_runs(tmp_path):
     assert bad[1]["error"] == "UnidentifiedImageError: cannot identify image file 'dog/garbage.png'"
 
 
+@pytest.mark.slow
 def test_stage_warns_about_skips_empty_test_and_unlearnable_class(tmp_path):
     """`python -m stages.shard`: skipped images counted per split, no test split, a class only in val."""
     root = make_imagefolder(tmp_path / "src", classes=("cat", "dog"), per_class=6, splits=["train", "val"])
@@ -364,6 +366,7 @@ def test_stage_warns_about_skips_empty_test_and_unlearnable_class(tmp_path):
         require_split(shards, read_dataset_info(shards), "test")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_class, extra, line", [
     (1, "", "error: ValueError: data.pretrain (imagefolder {root}): val_fraction takes 1 of the 1 image(s) left to "
             "it, leaving none to train on: add images, or lower val_fraction\n"),
@@ -673,6 +676,7 @@ def test_fractals_at_imagenet_size_as_jpegs(tmp_path):
     assert len(pickle.dumps(records)) < 256 * 256  # no rendered image travels with them
 
 
+@pytest.mark.slow
 def test_shared_cifar10_imagefolder(tmp_path, cifar10_test_dir):
     out = tmp_path / "c10"
     info = shard_dataset(out, DataConfig(source="imagefolder", root=cifar10_test_dir, maxcount=2000))

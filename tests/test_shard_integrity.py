@@ -71,6 +71,7 @@ def test_a_shard_cut_while_the_loader_reads_it_stops_it_and_every_restart(shards
         assert _one_line(restarted.value) == f"error: TarFormatError: {want}"
 
 
+@pytest.mark.slow
 def test_a_shard_changed_in_place_is_named_by_its_sha256(shards):
     """One byte changed, the size kept: a sample's label turned into another valid one, which no size
     check and no decoder notices. Indexed train reads (each DataLoader worker hashing its share), URL
@@ -125,6 +126,7 @@ def _rewrite(shards: Path, key: str, ext: str, data: bytes) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ext, data, what", [
     ("png", b"not an image", "its .png image does not decode (UnidentifiedImageError: cannot identify image file "
                              "'{key}.png')"),

@@ -57,6 +57,7 @@ def test_tario_reads_what_webdataset_reads(tmp_path, fmt):
     assert [index.load(r) for r in index([{"url": str(path)}])] == ours
 
 
+@pytest.mark.slow
 def test_tario_matches_webdataset_on_shards(digits_dir):
     import webdataset as wds
 
