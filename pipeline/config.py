@@ -35,7 +35,8 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes above that re
 BACKENDS = ("ray", "local")
 TRAINING_STAGES = ("pretrain", "finetune")  # also the names of their data sections (data.<stage>)
 HEADS = ("auto", "new")  # finetune.head: keep the pretrained head when the classes are its own, or always new
-ENCODINGS = ("source", "raw")  # data.<name>.encoding: the source's bytes, or decoded pixels (binary PPM)
+# data.<name>.encoding: the source's bytes, decoded pixels (binary PPM), or JPEGs (the source's kept)
+ENCODINGS = ("source", "raw", "jpeg")
 
 
 class ConfigError(ValueError):
@@ -70,15 +71,17 @@ class DataConfig:
     num_classes: int = 50
     samples_per_class: int = 60
     image_size: int = 32
+    shard_tasks: Optional[int] = None
 
     def in_use(self) -> dict[str, Any]:
-        """Its settings less those its source ignores: what runs log, so that two runs differ in the
-        data params only where their data can."""
+        """Its settings less those its source ignores and those that do not change the data: what runs
+        log, so that two runs differ in the data params only where their data can."""
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if self.source == "fractals" or k not in FRACTALS_ONLY}
+                if (self.source == "fractals" or k not in FRACTALS_ONLY) and k not in RUN_ONLY}
 
 
 FRACTALS_ONLY = ("num_classes", "samples_per_class", "image_size")  # the generator's: DataConfig.in_use
+RUN_ONLY = ("shard_tasks",)  # how the shard stage runs, not what it writes: not in dataset.json
 
 
 @dataclass
@@ -398,6 +401,9 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
         raise ConfigError(f"{key}.num_classes: {shown(d.num_classes)} must be >= 2 (a classifier needs two classes)")
     if d.max_side is not None:
         _positive(f"{key}.max_side", d.max_side, nullable=True)
+    if d.shard_tasks is not None and d.shard_tasks < 0:
+        raise ConfigError(f"{key}.shard_tasks: {shown(d.shard_tasks)} must be >= 0 (0: in the stage's own process) "
+                          "or null (the Ray cluster's CPUs for a large set)")
     for k in ("image_column", "label_column"):
         if getattr(d, k) is not None and d.source != "parquet":
             raise ConfigError(f"{key}.{k}: {shown(getattr(d, k))} would be ignored: only source 'parquet' reads it; "

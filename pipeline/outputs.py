@@ -28,14 +28,17 @@ published: list[Path] = []  # what this process has published: a stage stopped a
 class StagedOutputs:
     """The temporary paths of a stage's outputs; see the module docstring."""
 
-    def __init__(self, targets: list[Path]):
+    def __init__(self, targets: list[Path], resumable: bool = False):
+        """``resumable``: what a killed run left under the temporary names is kept for the stage to resume
+        from (it checks it was made the same way); else it is removed."""
         self.targets = {Path(t): Path(t).parent / f"{PARTIAL}{Path(t).name}" for t in targets}
         self.published = False
         self.created: list[Path] = []  # folders made for the outputs: a stage that fails takes them back
         for target, tmp in self.targets.items():
             self.created += _check_writable(target.parent)
             _restore_aside(target)  # left by a run killed while publishing
-            _remove(tmp)  # left by a killed run
+            if not resumable:
+                _remove(tmp)  # left by a killed run
 
     def __getitem__(self, target: str | os.PathLike) -> Path:
         return self.targets[Path(target)]

@@ -17,7 +17,7 @@ def main(params: Params, name: str = "") -> None:
         raise ConfigError(f"usage: python -m stages.shard {{{'|'.join(TRAINING_STAGES)}}} (got {name!r})")
     spec = getattr(params.data, name)
     try:
-        info = shard_dataset(SHARDS / name, spec)
+        info = shard_dataset(SHARDS / name, spec, params.ray)
     except ValueError as exc:  # the data's own problem (too few images, too many bad ones): say which data
         if isinstance(exc, ConfigError):  # names its data.<name> key already
             raise

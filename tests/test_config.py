@@ -136,6 +136,7 @@ def test_params_yaml_and_code_defaults_agree():
      ["data.finetune.val_fraction + test_fraction", "1.1", "< 1"]),
     ({"data.pretrain.test_fraction": 1.0}, ["data.pretrain.test_fraction: 1.0", "[0, 1)"]),
     ({"data.pretrain.max_side": 0}, ["data.pretrain.max_side: 0 must be > 0 or null"]),
+    ({"data.pretrain.shard_tasks": -1}, ["data.pretrain.shard_tasks: -1 must be >= 0", "or null"]),
     ({"data.finetune.class_names": list("0123456789")[:9] + ["8"]},
      ["data.finetune.class_names names ['8'] more than once"]),
     # augment values of the wrong type: the key and its valid form, not a TypeError from a comparison

@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from pipeline.config import DataConfig
-from pipeline.data import make_eval_loader, make_train_loader, read_dataset_info, shard_dataset, shard_writer as shard_mod
+from pipeline.data import (
+    make_eval_loader,
+    make_train_loader,
+    read_dataset_info,
+    record_encode,
+    shard_dataset,
+    shard_tasks,
+)
 from tests.data_helpers import (
     CIFAR_TGZ,
     REPO,
@@ -129,7 +136,7 @@ def test_a_signal_while_the_shards_are_swapped_in_keeps_the_previous_ones(tmp_pa
 
 def test_atomic_on_failure(tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = shard_mod.prepare
+    real = record_encode.prepare
 
     def flaky(rec, max_side, **kw):
         calls["n"] += 1
@@ -137,7 +144,7 @@ def test_atomic_on_failure(tmp_path, monkeypatch):
             raise RuntimeError("boom mid-way")
         return real(rec, max_side, **kw)
 
-    monkeypatch.setattr(shard_mod, "prepare", flaky)
+    monkeypatch.setattr(record_encode, "prepare", flaky)
     with pytest.raises(RuntimeError, match="boom"):
         shard_dataset(tmp_path / "out", DataConfig(source="digits", maxcount=100))
     assert list(tmp_path.iterdir()) == []  # no out_dir, no temp dir
@@ -146,7 +153,7 @@ def test_atomic_on_failure(tmp_path, monkeypatch):
 def test_atomic_failure_keeps_previous_output(tmp_path, monkeypatch):
     out = tmp_path / "out"
     first = shard_dataset(out, DataConfig(source="digits", maxcount=1000))
-    monkeypatch.setattr(shard_mod, "prepare", lambda rec, ms, **kw: (_ for _ in ()).throw(KeyError("x")))
+    monkeypatch.setattr(record_encode, "prepare", lambda rec, ms, **kw: (_ for _ in ()).throw(KeyError("x")))
     with pytest.raises(KeyError):
         shard_dataset(out, DataConfig(source="digits", maxcount=10))
     assert read_dataset_info(out) == first
@@ -393,15 +400,15 @@ def test_full_disk_is_one_line_and_keeps_the_previous_output(tmp_path, monkeypat
     run_stage(shard_stage, "pretrain")
     before = {p.name: p.read_bytes() for p in Path("data/shards/pretrain").iterdir()}
     Path("params.yaml").write_text("data:\n  pretrain:\n    source: digits\n    maxcount: 300\n")
-    real, calls = shard_mod._SplitWriter.write, {"n": 0}
+    real, calls = shard_tasks.assemble_shard, {"n": 0}
 
-    def write(self, *args):
+    def assemble(*args):
         calls["n"] += 1
-        if calls["n"] > 500:
+        if calls["n"] > 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, *args)
+        return real(*args)
 
-    monkeypatch.setattr(shard_mod._SplitWriter, "write", write)
+    monkeypatch.setattr(shard_tasks, "assemble_shard", assemble)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         run_stage(shard_stage, "pretrain")
@@ -642,6 +649,33 @@ def cifar10_test_dir(tmp_path_factory) -> Path:
     return dest / "test"
 
 
+def test_progress_line_says_images_per_second_and_what_is_left():
+    assert shard_tasks.progress_line(2500, 10000, 10.0) == "[shard] 2,500/10,000 images (25%), 250 img/s, ETA 0m30s"
+    assert shard_tasks.progress_line(1000, 10**6, 10.0).endswith("100 img/s, ETA 2h46m")
+
+
+def test_fractals_at_imagenet_size_as_jpegs(tmp_path):
+    """``encoding: jpeg`` stores 256-px fractals as RGB JPEGs; a listed record holds no pixels, so tasks render them."""
+    import io
+    import pickle
+
+    from PIL import Image
+
+    from pipeline.data.sources import list_source
+
+    spec = DataConfig(source="fractals", num_classes=2, samples_per_class=5, image_size=256, encoding="jpeg")
+    info = shard_dataset(tmp_path / "a", spec)
+    with tarfile.open(tmp_path / "a" / info["shards"]["train"][0]["name"]) as tar:
+        images = [tar.extractfile(m).read() for m in tar.getmembers() if not m.name.endswith(".cls")]
+    assert images and all(Image.open(io.BytesIO(b)).format == "JPEG" for b in images)
+    assert {Image.open(io.BytesIO(b)).size for b in images} == {(256, 256)}
+    listing = list_source("fractals", seed=0, val_fraction=0.1, test_fraction=0.2, class_names=None, num_classes=2,
+                          samples_per_class=5, image_size=256)
+    records = list(listing.records)
+    records[0].load()
+    assert len(pickle.dumps(records)) < 256 * 256  # no rendered image travels with them
+
+
 @pytest.mark.slow
 def test_shared_cifar10_imagefolder(tmp_path, cifar10_test_dir):
     out = tmp_path / "c10"
@@ -694,27 +728,26 @@ def test_pixel_stats_are_the_train_split_stats(tmp_path):
 @pytest.mark.slow
 def test_shard_benchmark_runs_on_a_small_imagefolder(tmp_path):
     """``benchmarks/shard_speed.py`` (docs/data.md's sharding benchmark), shrunk: an ImageFolder given as ``--data``
-    (so no CIFAR-10 tarball is extracted) sharded by the stage's code, the rate and peak RSS printed."""
-    import re
-
+    (so no CIFAR-10 tarball is extracted), upscaled to 40 px, sharded by 1 and 2 Ray tasks, re-encoded and copied;
+    its last line the figures as JSON, recorded where the tests send records."""
     make_imagefolder(tmp_path / "data", splits=["train"], per_class=10)
-    proc = subprocess.run([sys.executable, "benchmarks/shard_speed.py", "--data", tmp_path / "data",
-                           "--out", tmp_path / "out", "--maxcount", "8"],
+    proc = subprocess.run([sys.executable, "benchmarks/shard_speed.py", "--data", tmp_path / "data", "--image-size", "40",
+                           "--max-side", "16", "--out", tmp_path / "out", "--maxcount", "8", "--json"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rate = re.search(r"imagefolder: (\d+) images -> (\d+) shards \(\d+ MB\) in [\d.]+ s = (\d+) img/s wall",
-                     proc.stdout)
-    assert rate, proc.stdout
-    info = read_dataset_info(tmp_path / "out")
-    assert int(rate[1]) == sum(info["counts"].values()) == 30  # every image, in train / val / test
-    assert int(rate[2]) == sum(len(v) for v in info["shards"].values()) == len(list((tmp_path / "out").glob("*.tar")))
-    assert int(rate[3]) > 0
-    assert re.search(r"peak RSS \d+ MB \(after imports \d+ MB; sharding adds -?\d+ MB\)", proc.stdout), proc.stdout
-    # its figures recorded where the tests send records ($VIT_RESULTS_DIR), not in the repository
+    figures = json.loads(proc.stdout.splitlines()[-1])
+    assert figures["images"] == 30 and figures["identical"] is True
+    assert set(figures["img_per_s_per_core"]) == set(figures["scaling_1_to_2"]) == {"reencode", "copy"}
+    assert all(v > 0 for v in figures["img_per_s_per_core"].values())
+    assert re.search(r"reencode, 2 task\(s\): 30 images -> \d+ shards in [\d.]+ s = \d+ img/s", proc.stdout), proc.stdout
+    info = read_dataset_info(tmp_path / "out" / "reencode-2")
+    assert info["params"]["max_side"] == 16 and sum(info["counts"].values()) == 30
     record = json.loads((Path(os.environ["VIT_RESULTS_DIR"]) / "shard_speed.jsonl").read_text().splitlines()[-1])
-    assert record["figures"]["images"] == 30 and record["case"] == "imagefolder"
+    assert record["figures"]["images"] == 30 and record["case"] == "imagefolder-40px"
     assert record["command"].startswith("python benchmarks/shard_speed.py --data ")
 
+
+def test_shard_benchmark_names_a_missing_or_damaged_tarball(tmp_path):
     # --cifar-tarball: a missing or a damaged one is one line, exit 2 (it was exit 1, or a traceback), nothing left
     (tmp_path / "cut.tar.gz").write_bytes(b"\x1f\x8b not a whole tarball")
     for tarball, says in (("nope.tar.gz", "no such CIFAR-10 tarball"), ("cut.tar.gz", "not a whole CIFAR-10 tarball")):

@@ -6,6 +6,9 @@ get a random colour; rendering is a vectorised chaos game (thousands of chains i
 """
 from __future__ import annotations
 
+import threading
+from functools import partial
+
 import numpy as np
 
 from .records import resolve_classes
@@ -13,6 +16,9 @@ from .splits import SPLITS, Record, SourceListing, carve_splits
 
 BURN_IN, STEPS = 6, 30
 FILL_RANGE = (0.08, 0.6)
+# Pixels rendered together (64 images of 64 px): the chaos game's arrays stay tens of MB at any size.
+BATCH_PIXELS, MAX_BATCH = 64 * 64 * 64, 64
+CHECK_SIZE = 64  # a system's fill is judged at most at this size (~6 points per pixel at any size)
 
 
 def _chaos_game(coef: np.ndarray, shift: np.ndarray, cum: np.ndarray, rng, n_chains: int) -> np.ndarray:
@@ -93,18 +99,48 @@ def render_batch(systems: list[dict], rngs: list, chain_rng, size: int) -> np.nd
     return np.clip(np.round(img * 255), 0, 255).astype(np.uint8)
 
 
-def _records(splits, labels, systems, seed, samples_per_class, size, chunk=64):
-    """Render CHUNK records at a time (vectorised), yield them one by one: memory stays small."""
+def batch_size(size: int) -> int:
+    """A power of two (so a shard task's chunk holds whole batches), MAX_BATCH at 64 px and below."""
+    return min(MAX_BATCH, 1 << max(0, (BATCH_PIXELS // (size * size)).bit_length() - 1))
+
+
+class _Batch:
+    """Instances rendered together on their first load, in whichever process loads them (a shard task),
+    and let go once each was loaded; pickled without pixels, so listing them renders nothing."""
+
+    def __init__(self, systems: list[dict], idx: list[int], seed: int, start: int, size: int):
+        self.systems, self.idx, self.seed, self.start, self.size = systems, idx, seed, start, size
+        self._imgs, self._left, self._lock = None, len(idx), threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_imgs", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _imgs=None, _lock=threading.Lock())
+
+    def image(self, j: int) -> np.ndarray:
+        with self._lock:
+            imgs = self._imgs
+            if imgs is None:
+                imgs = self._imgs = render_batch(self.systems, [np.random.default_rng([self.seed, 2, i]) for i in self.idx],
+                                                 np.random.default_rng([self.seed, 3, self.start]), self.size)
+            self._left -= 1
+            if self._left <= 0:
+                self._imgs = None
+        return imgs[j]
+
+
+def _records(splits, labels, systems, seed, samples_per_class, size):
+    """Records in batches of :func:`batch_size` rendered together (vectorised) when first loaded."""
     order = [(split, int(i)) for split in SPLITS for i in splits[split]]
+    chunk = batch_size(size)
     for start in range(0, len(order), chunk):
         part = order[start:start + chunk]
         idx = [i for _, i in part]
-        imgs = render_batch([systems[labels[i]] for i in idx],
-                            [np.random.default_rng([seed, 2, i]) for i in idx],
-                            np.random.default_rng([seed, 3, start]), size)
-        for (split, i), img in zip(part, imgs):
+        batch = _Batch([systems[labels[i]] for i in idx], idx, seed, start, size)
+        for j, (split, i) in enumerate(part):
             yield Record(split, int(labels[i]), f"fractals:class{labels[i]}#{i % samples_per_class}",
-                         lambda img=img: img)
+                         partial(batch.image, j))
 
 
 def fractals_listing(*, seed, val_fraction, test_fraction, class_names, num_classes, samples_per_class,
@@ -114,7 +150,8 @@ def fractals_listing(*, seed, val_fraction, test_fraction, class_names, num_clas
         raise ValueError(f"fractals needs num_classes >= 1 (got {num_classes}), samples_per_class >= 1 "
                          f"(got {samples_per_class}) and image_size >= 8 (got {image_size})")
     classes = resolve_classes(class_names, [f"ifs_{c:04d}" for c in range(num_classes)], "fractals")
-    systems = [sample_system(np.random.default_rng([seed, 1, c]), image_size) for c in range(num_classes)]
+    check = min(image_size, CHECK_SIZE)
+    systems = [sample_system(np.random.default_rng([seed, 1, c]), check) for c in range(num_classes)]
     labels = np.repeat(np.arange(num_classes, dtype=np.int64), samples_per_class)
     splits = carve_splits(labels, seed, val_fraction, test_fraction)
     records = _records(splits, labels, systems, seed, samples_per_class, image_size)

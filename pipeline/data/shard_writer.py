@@ -7,59 +7,24 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
-import io
 import json
-import math
-import os
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-import webdataset as wds
-from PIL import Image
 
-from pipeline.config import DataConfig, check_data
+from pipeline.config import RUN_ONLY, DataConfig, RayConfig, check_data
 from pipeline.outputs import StagedOutputs
-from pipeline.utils import BAD_FILES, DATASET_INFO, MANIFEST, apply_umask
+from pipeline.utils import BAD_FILES, DATASET_INFO, apply_umask
 
-from .codec import decode, encode_ppm
 from .parquet_source import SpoolFull
-from .pixels import BadImage, bad_image_reason, eight_bit, upright
+from .record_encode import STATS_SPLIT
+from .shard_tasks import prepare_staging, write_all
 from .sources import list_source
-from .splits import EMPTY_SPLIT_EFFECT, SPLITS, Record, SourceListing, why_empty
+from .splits import EMPTY_SPLIT_EFFECT, SPLITS, why_empty
 
 FORMAT_VERSION = 1
-KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}  # kept byte-for-byte; anything else becomes PNG
-MANIFEST_SCHEMA = pa.schema([("key", pa.string()), ("split", pa.string()), ("shard", pa.string()),
-                             ("label", pa.int64()), ("source_path", pa.string()), ("bytes", pa.int64())])
-TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # OSError numbers reported as "no space left"
-
-
-def _encode(img: Image.Image, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    if KEEP_FORMATS.get(fmt) == "jpg":
-        img.save(buf, "JPEG", quality=95)
-    else:
-        img.save(buf, "PNG")
-    return buf.getvalue()
-
-
-def pixel_histogram(img: Image.Image) -> np.ndarray:
-    """``[3, 256]`` counts of each 8-bit value per RGB channel: exact integer statistics, and PIL
-    computes them in C (~10 us per CIFAR image, vs ~50 us for numpy sums)."""
-    if img.mode == "L":
-        return np.tile(np.asarray(img.histogram(), dtype=np.int64), (3, 1))  # gray = R = G = B
-    rgb = img if img.mode == "RGB" else img.convert("RGB")
-    return np.asarray(rgb.histogram(), dtype=np.int64).reshape(3, 256)
-
-
-STATS_SPLIT = "train"  # the split whose pixel stats dataset.json records (what training normalises by)
 
 
 def stats_from_histogram(hist: np.ndarray) -> dict:
@@ -69,168 +34,6 @@ def stats_from_histogram(hist: np.ndarray) -> dict:
     mean = (hist * values).sum(1) / n
     std = np.sqrt(np.maximum((hist * values**2).sum(1) / n - mean**2, 0.0))
     return {"split": STATS_SPLIT, "mean": [round(float(v), 6) for v in mean], "std": [round(float(v), 6) for v in std]}
-
-
-def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding: str = "source"):
-    """Return (extension, bytes, pixel histogram or None) for one record; raise BadImage if it does not decode.
-
-    Encoded JPEG/PNG inputs are verified by a full decode but written unchanged unless ``max_side``
-    forces a downscale or an EXIF orientation tag turns them (:func:`.pixels.upright`: re-encoded the
-    right way up, the loader ignores the tag); arrays are PNG-encoded (lossless). ``encoding="raw"``: instead,
-    the pixels the loader would decode from those bytes, as binary PPM. ``stats`` adds the
-    :func:`pixel_histogram` of the stored image (for ``augment.mean/std: dataset``).
-    """
-    data = rec.load()  # FileNotFoundError etc. propagate: a missing input is a hard error
-    if isinstance(data, np.ndarray):
-        img = Image.fromarray(data)
-        fmt, raw = "PNG", None
-    else:
-        try:
-            img = Image.open(io.BytesIO(data))
-            fmt = img.format
-            img.load()
-        except Exception as exn:  # PIL raises many types for corrupt/truncated data
-            raise BadImage(bad_image_reason(exn, rec.source_path)) from exn
-        raw = data
-        turned = upright(img)
-        if turned is not img:
-            img, raw = turned, None
-    img = eight_bit(img)  # a 16-bit PNG's bytes stay as they are: the loader decodes the same high bytes
-    if max_side and max(img.size) > max_side:
-        img = img.copy()
-        img.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
-        raw = None
-    if fmt not in KEEP_FORMATS:
-        fmt, raw = "PNG", None
-        if img.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):
-            img = img.convert("RGB")
-    ext, data = KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt)
-    if encoding == "raw":
-        ext, data = "ppm", encode_ppm(decode(ext, data))
-    return ext, data, pixel_histogram(img) if stats else None
-
-
-class _SplitWriter:
-    """Lazily-opened ShardWriter for one split that tracks per-shard counts."""
-
-    def __init__(self, tmp: Path, split: str, maxcount: int, maxsize: int):
-        self.pattern = str(tmp / f"{split}-%06d.tar")
-        self.split, self.maxcount, self.maxsize = split, maxcount, maxsize
-        self.writer: Optional[wds.ShardWriter] = None
-        self.counts: dict[str, int] = {}
-        self.n = 0
-
-    def write(self, ext: str, data: bytes, label: int) -> tuple[str, str]:
-        if self.writer is None:
-            self.writer = wds.ShardWriter(self.pattern, maxcount=self.maxcount, maxsize=self.maxsize,
-                                          verbose=0, encoder=False, **TAR_META)
-        key = f"{self.split}_{self.n:07d}"
-        self.writer.write({"__key__": key, ext: data, "cls": str(label).encode()})
-        name = os.path.basename(self.writer.fname)
-        self.counts[name] = self.counts.get(name, 0) + 1
-        self.n += 1
-        return key, name
-
-    def abort(self) -> None:
-        """Close the open shard after an error, without raising again (on a full disk, the tar's end
-        blocks fail too); else the tar is finished at garbage collection, into a closed file, noisily."""
-        tar, self.writer = self.writer and self.writer.tarstream, None
-        for close in (tar.tarstream.close, tar.stream.close) if tar is not None else ():
-            try:
-                close()
-            except (OSError, ValueError):
-                pass
-
-    def close(self) -> list[dict]:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        folder = Path(self.pattern).parent
-        return [{"name": name, "count": count, "bytes": (folder / name).stat().st_size,
-                 "sha256": _sha256(folder / name)} for name, count in self.counts.items()]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _chunks(it, n: int):
-    chunk = []
-    for x in it:
-        chunk.append(x)
-        if len(chunk) == n:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-@contextmanager
-def _aborting(writers: dict[str, _SplitWriter]):
-    """On any error inside, abort every split's open shard, then let the error through."""
-    try:
-        yield
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
-
-
-def _write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side, max_bad_fraction,
-               encoding) -> dict[str, Any]:
-    """Stream records into per-split shards; memory is bounded by one chunk plus open shards."""
-    writers = {s: _SplitWriter(tmp, s, maxcount, maxsize) for s in SPLITS}
-    class_counts = {s: [0] * len(listing.classes) for s in SPLITS}
-    bad: list[dict] = []
-    allowed_bad = math.floor(max_bad_fraction * listing.total + 1e-9)
-    rows: dict[str, list] = {name: [] for name in MANIFEST_SCHEMA.names}
-
-    hist = np.zeros((3, 256), dtype=np.int64)
-
-    def run(rec: Record):
-        try:
-            return prepare(rec, max_side, stats=rec.split == STATS_SPLIT, encoding=encoding), None
-        except BadImage as exn:
-            return None, str(exn)
-
-    with _aborting(writers), pq.ParquetWriter(tmp / MANIFEST, MANIFEST_SCHEMA) as manifest, \
-            ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 2)) as pool:
-        for chunk in _chunks(listing.records, 256):
-            for rec, (out, err) in zip(chunk, pool.map(run, chunk)):
-                if err is not None:
-                    bad.append({"path": rec.source_path, "split": rec.split, "error": err})
-                    if len(bad) > allowed_bad:
-                        raise ValueError(
-                            f"more than max_bad_fraction={max_bad_fraction} of the {listing.total} images "
-                            f"({allowed_bad}) are undecodable, seen before stopping: {len(bad)}; the first: "
-                            f"{bad[0]['path']} ({bad[0]['error']}); remove or fix them, or raise max_bad_fraction")
-                    continue
-                ext, data, img_hist = out
-                if img_hist is not None:
-                    hist += img_hist
-                key, shard = writers[rec.split].write(ext, data, rec.label)
-                class_counts[rec.split][rec.label] += 1
-                for name, v in zip(MANIFEST_SCHEMA.names,
-                                   (key, rec.split, shard, rec.label, rec.source_path, len(data))):
-                    rows[name].append(v)
-            if len(rows["key"]) >= 8192:
-                manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
-                rows = {name: [] for name in MANIFEST_SCHEMA.names}
-        manifest.write_table(pa.table(rows, schema=MANIFEST_SCHEMA))
-    with _aborting(writers):
-        shards = {s: writers[s].close() for s in SPLITS}
-    totals = np.sum([class_counts[s] for s in SPLITS], axis=0)
-    empty = [listing.classes[i] for i in np.flatnonzero(totals == 0)]
-    if empty:
-        raise ValueError(f"class(es) {empty} ended up with no decodable images")
-    if not shards["train"]:
-        raise ValueError("the train split is empty; check the source and the split fractions")
-    return {"shards": shards, "class_counts": class_counts, "pixel_stats": stats_from_histogram(hist),
-            "bad_files": sorted(bad, key=lambda b: (b["path"], b["split"]))}
 
 
 def shard_warnings(info: dict, out_dir) -> list[str]:
@@ -261,29 +64,33 @@ def _check_replaceable(out: Path) -> None:
                               "refusing to replace it")
 
 
-def shard_dataset(out_dir, spec: DataConfig) -> dict:
+def shard_dataset(out_dir, spec: DataConfig, ray_cfg: Optional[RayConfig] = None) -> dict:
     """Write ``spec.source`` as train/val/test webdataset shards in ``out_dir``; return dataset.json's content.
 
-    ``spec`` is one ``data.<name>`` section of params.yaml; its fields are recorded in dataset.json.
+    ``spec`` is one ``data.<name>`` section of params.yaml; its fields that shape the data are recorded in
+    dataset.json. ``spec.shard_tasks`` Ray tasks run on the cluster ``ray_cfg`` names (see
+    :func:`.shard_tasks.runner`); the output is the same for any number.
     """
-    params = dataclasses.asdict(spec)
+    params = {k: v for k, v in dataclasses.asdict(spec).items() if k not in RUN_ONLY}
     params.update(root=None if spec.root is None else str(spec.root),
                   class_names=None if spec.class_names is None else list(spec.class_names))
     check_data(spec)
     out = Path(out_dir)
-    staged = StagedOutputs([out])  # written beside it, swapped in at the end (what a killed run left goes)
+    # written beside it, swapped in at the end; what a killed run left is resumed from if made the same way
+    staged = StagedOutputs([out], resumable=True)
     _check_replaceable(out)
     tmp = staged[out]
-    tmp.mkdir()
     try:
+        prepare_staging(tmp, {"format_version": FORMAT_VERSION, "params": params})
         apply_umask(tmp)
         listing = list_source(spec.source, root=spec.root, seed=spec.seed, val_fraction=spec.val_fraction,
                           test_fraction=spec.test_fraction, class_names=spec.class_names,
                           image_column=spec.image_column, label_column=spec.label_column,
                           num_classes=spec.num_classes, samples_per_class=spec.samples_per_class,
                           image_size=spec.image_size)
-        written = _write_all(tmp, listing, maxcount=spec.maxcount, maxsize=spec.maxsize, max_side=spec.max_side,
-                             max_bad_fraction=spec.max_bad_fraction, encoding=spec.encoding)
+        written = write_all(tmp, listing, maxcount=spec.maxcount, maxsize=spec.maxsize, max_side=spec.max_side,
+                            max_bad_fraction=spec.max_bad_fraction, encoding=spec.encoding, tasks=spec.shard_tasks,
+                            ray_cfg=ray_cfg)
         shards = written["shards"]
         info = {
             "format_version": FORMAT_VERSION,
@@ -292,7 +99,7 @@ def shard_dataset(out_dir, spec: DataConfig) -> dict:
             "num_classes": len(listing.classes),
             "counts": {s: sum(sh["count"] for sh in shards[s]) for s in SPLITS},
             "class_counts": written["class_counts"],
-            "pixel_stats": written["pixel_stats"],
+            "pixel_stats": stats_from_histogram(written["hist"]),
             "shards": shards,
             "given_splits": listing.given_splits,
             "key_format": "{split}_{index:07d}",
