@@ -46,18 +46,28 @@ def _tiny_train(tmp_path, n_shards_max: int, test_fraction: float = 0.97) -> Pat
     return out
 
 
-@pytest.mark.parametrize("maxcount", [100, 2000], ids=["13-shards", "1-shard"])
-def test_train_world_size_invariant(tmp_path, maxcount):
+def _case_shards(tmp_path, request, case: str) -> tuple[Path, int]:
+    """(shards, image size) of a loader test case: digits cut into shards of N (``"N-shards"`` /
+    ``"1-shard"``), or 224 px from the photo-like JPEGs (``"jpeg-224"``: some decoded at reduced size)."""
+    if case == "jpeg-224":
+        return request.getfixturevalue("photo_shards"), 224
+    out = tmp_path / "s"
+    shard_dataset(out, DataConfig(source="digits", maxcount={"13-shards": 100, "1-shard": 2000}[case]))
+    return out, 12
+
+
+@pytest.mark.parametrize("case", ["13-shards", "1-shard", "jpeg-224"])
+def test_train_world_size_invariant(tmp_path, request, case):
     """W=1, W=2 and W=4 (and W=2 with DataLoader workers) with the same global batch, seed and
     streams train on the same samples with bitwise-identical augmented pixels in every step."""
-    out = tmp_path / "s"
-    shard_dataset(out, DataConfig(source="digits", maxcount=maxcount))
-    kw = dict(global_batch=32, steps=4, epoch=3, seed=7, augment=AUG_ALL_RANDOM)
+    out, image_size = _case_shards(tmp_path, request, case)
+    steps = 1 if case == "jpeg-224" else 4  # 36 JPEGs: one step of 32 before streams wrap
+    kw = dict(global_batch=32, steps=steps, epoch=3, seed=7, augment=AUG_ALL_RANDOM, image_size=image_size)
     one = _rank_batches(out, 1, **kw)
     runs = {"W=2": _rank_batches(out, 2, **kw), "W=4": _rank_batches(out, 4, **kw),
             "W=2 x 2 workers": _rank_batches(out, 2, num_workers=2, **kw),
             "W=1 x 3 workers": _rank_batches(out, 1, num_workers=3, **kw)}
-    for step in range(4):
+    for step in range(steps):
         ref = _global_step(one, step)
         assert len(ref) == 32 and len({k for k, _, _ in ref}) == 32
         for name, per_rank in runs.items():
@@ -315,10 +325,10 @@ def test_train_more_steps_than_data_cycles(tmp_path):
     assert sum(1 for _ in loader) == 30
 
 
-def _eval_labels(out, split, world_size, batch_size, num_workers=0):
+def _eval_labels(out, split, world_size, batch_size, num_workers=0, image_size=8):
     per_rank = []
     for rank in range(world_size):
-        loader = make_eval_loader(out, split, batch_size=batch_size, image_size=8, rank=rank,
+        loader = make_eval_loader(out, split, batch_size=batch_size, image_size=image_size, rank=rank,
                                   world_size=world_size, augment={"mean": [0.1, 0.2, 0.3]},
                                   num_workers=num_workers)
         batches = list(loader)
@@ -329,16 +339,21 @@ def _eval_labels(out, split, world_size, batch_size, num_workers=0):
     return per_rank
 
 
-@pytest.mark.parametrize("world_size, num_workers", [(2, 0), (4, 0), (2, 3)])
-def test_eval_exactly_once_uneven_shards(tmp_path, world_size, num_workers):
-    out = tmp_path / "s"
-    info = shard_dataset(out, DataConfig(source="digits", maxcount=130))  # test: 360 -> 130+130+100 (3 shards)
-    assert [s["count"] for s in info["shards"]["test"]] == [130, 130, 100]
-    per_rank = _eval_labels(out, "test", world_size, batch_size=64, num_workers=num_workers)
+@pytest.mark.parametrize("case, world_size, num_workers",
+                         [("digits", 2, 0), ("digits", 4, 0), ("digits", 2, 3), ("jpeg-224", 2, 0), ("jpeg-224", 4, 2)])
+def test_eval_exactly_once_uneven_shards(tmp_path, request, case, world_size, num_workers):
+    if case == "digits":
+        out, image_size, batch, counts = tmp_path / "s", 8, 64, [130, 130, 100]
+        info = shard_dataset(out, DataConfig(source="digits", maxcount=130))  # test: 360 -> 130+130+100 (3 shards)
+    else:  # 12 JPEGs in shards of 5, 5, 2; 224 px, decoded at half size
+        out, image_size, batch, counts = request.getfixturevalue("photo_shards"), 224, 5, [5, 5, 2]
+        info = read_dataset_info(out)
+    assert [s["count"] for s in info["shards"]["test"]] == counts
+    per_rank = _eval_labels(out, "test", world_size, batch_size=batch, num_workers=num_workers, image_size=image_size)
     total = sum(len(b[1]) for batches in per_rank for b in batches)
-    assert total == 360
+    assert total == sum(counts)
     # exactly once: the multiset of decoded images equals a single-rank pass
-    single = _eval_labels(out, "test", 1, batch_size=64)[0]
+    single = _eval_labels(out, "test", 1, batch_size=batch, image_size=image_size)[0]
     ref = sorted(tuple(x.flatten().tolist()) + (int(y),) for xb, yb in single for x, y in zip(xb, yb))
     got = sorted(tuple(x.flatten().tolist()) + (int(y),)
                  for batches in per_rank for xb, yb in batches for x, y in zip(xb, yb))

@@ -32,6 +32,7 @@ from pipeline.utils import DATASET_INFO
 
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
+from .draft import JPEG_EXTS
 from .integrity import RecordedShards, bad_sample, reshard, sample_label, shard_stage, size_changed
 from .pixels import bad_image_reason
 from .splits import EMPTY_SPLIT_EFFECT, lacks_given_test, why_empty
@@ -142,6 +143,23 @@ def decode_sample(sample: dict, num_classes: int | None = None) -> tuple[torch.T
         raise bad_sample(sample, f"its .{ext} image does not decode ({reason})") from None
 
 
+def transformed_sample(sample: dict, transform: SampleTransform, seed: int,
+                       num_classes: int | None = None) -> tuple[torch.Tensor, int]:
+    """Raw sample -> (``transform``'s uint8 output, label): a JPEG decoded at reduced size where the
+    crop allows (:meth:`.SampleTransform.apply_encoded`), anything else (or a JPEG Pillow refuses)
+    decoded in full by :func:`decode_sample`, which names what is wrong with a bad one."""
+    ext = next((e for e in JPEG_EXTS if e in sample), None)
+    if ext is not None:
+        try:
+            img = transform.apply_encoded(sample[ext], seed)
+        except Exception:  # bytes Pillow cannot decode: the full decoder reads them or says why not
+            img = None
+        if img is not None:
+            return img, sample_label(sample, num_classes)
+    img, label = decode_sample(sample, num_classes)
+    return transform.apply(img, seed), label
+
+
 def _collate(samples):
     """Stack uint8 samples (normalised later, once per batch, on the device)."""
     images, labels = zip(*samples)
@@ -180,10 +198,11 @@ def _shards(shard_dir, split: str) -> tuple[list[str], list[dict], RecordedShard
 
 
 def _eval_pipeline(stream: _ShardStream, image_size, augment, batch_size):
+    transform = SampleTransform(image_size, augment, train=False)
     return wds.DataPipeline(
         stream,
-        wds.map(functools.partial(decode_sample, num_classes=stream.check.num_classes)),
-        wds.map_tuple(SampleTransform(image_size, augment, train=False), None),
+        wds.map(functools.partial(transformed_sample, transform=transform, seed=0,
+                                  num_classes=stream.check.num_classes)),
         wds.batched(batch_size, collation_fn=_collate, partial=True))
 
 
@@ -280,9 +299,10 @@ class _TrainSteps(IterableDataset):
             yield self._batch(samples, epochs)
 
     def _batch(self, raw: list[dict], epochs: list[int]) -> TrainBatch:
-        decoded = [decode_sample(sample, self.check.num_classes) for sample in raw]
         seeds = [sample_seeds(self.seed, epoch, s["__pass__"], s["__key__"]) for s, epoch in zip(raw, epochs)]
-        images = torch.stack(self.transform.seeded([img for img, _ in decoded], [a for a, _ in seeds]))
+        decoded = [transformed_sample(sample, self.transform, a, self.check.num_classes)
+                   for sample, (a, _) in zip(raw, seeds)]
+        images = torch.stack([img for img, _ in decoded])
         params = self.device_augment.draw([d for _, d in seeds], *images.shape[-2:])
         images, params = self.device_augment.on_host(images, params)
         labels = torch.tensor([label for _, label in decoded], dtype=torch.int64)

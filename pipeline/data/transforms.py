@@ -13,6 +13,8 @@ import torch
 from torchvision.transforms import AutoAugmentPolicy, InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
+from .draft import decode_box, draft_scale, open_jpeg
+
 AUGMENT_DEFAULTS: dict[str, Any] = {
     "mean": [0.5, 0.5, 0.5],
     "std": [0.5, 0.5, 0.5],
@@ -196,6 +198,15 @@ def crop_params(rng: random.Random, height: int, width: int, scale: Sequence[flo
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def centre_box(height: int, width: int, size: int) -> tuple[float, float, float, float]:
+    """The region (left, top, right, bottom) of a ``height`` x ``width`` image that ``F.resize(size)`` (short
+    side to ``size``, the long side truncated as it does) then ``F.center_crop(size)`` keep."""
+    new_h, new_w = (int(size * height / width), size) if width <= height else (size, int(size * width / height))
+    top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+    fy, fx = height / new_h, width / new_w
+    return left * fx, top * fy, (left + size) * fx, (top + size) * fy
+
+
 class SampleTransform:
     """Per-sample CPU part on a uint8 CHW tensor: crop/resize (random-resized, or resized then a random
     crop of the zero-padded image, CIFAR's classic) and flip; stays uint8.
@@ -203,9 +214,9 @@ class SampleTransform:
     Calls torchvision's image kernels directly: at 32 px the v2 module dispatch costs more than
     the pixel work. Auto-augment, normalisation and erasing run batched on the training device
     (:class:`.device_augment.DeviceAugment`), eval normalisation once per batch (:class:`BatchFinish`).
-    Crop and flip draw from a ``random.Random`` seeded per image; :meth:`seeded` takes the seeds,
-    so the result does not depend on the process or the batch order. Called directly, the seed
-    comes from torch's global RNG.
+    Crop and flip draw from a ``random.Random`` seeded per image; :meth:`apply` and
+    :meth:`apply_encoded` take the seed, so the result does not depend on the process or the batch
+    order. Called directly, the seed comes from torch's global RNG.
     """
 
     def __init__(self, image_size: int, augment: Optional[dict], train: bool):
@@ -218,12 +229,6 @@ class SampleTransform:
         self.random = self.rrc is not None or self.pad is not None or self.hflip > 0
         self.direct = _direct_resize_matches(self.interp)
 
-    def seeded(self, images: Sequence[torch.Tensor], seeds: Sequence[int]) -> list[torch.Tensor]:
-        """``[self(img)]`` with image k's randomness drawn from ``seeds[k]``."""
-        if len(images) != len(seeds):
-            raise ValueError(f"{len(seeds)} seeds for {len(images)} images")
-        return [self.apply(img, seed) for img, seed in zip(images, seeds)]
-
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
         return self.apply(img, int(torch.randint(1 << 62, ())) if self.random else 0)
 
@@ -232,6 +237,30 @@ class SampleTransform:
         if self.direct and img.dtype == torch.uint8:
             return _interpolate(img, self.size, self.interp)
         return F.resize_image(img, [self.size, self.size], interpolation=self.interp, antialias=True)
+
+    def apply_encoded(self, data: bytes, seed: int) -> Optional[torch.Tensor]:
+        """:meth:`apply` on a JPEG's bytes, decoded at reduced size (:mod:`.draft`): the same crop region
+        and flip for the same seed, pixels within the DCT scaling's error of a full decode's. None where
+        no scale-down fits (the crop smaller than twice the output, a padded crop, not a JPEG): decode
+        in full and call :meth:`apply`."""
+        img = None if self.pad is not None else open_jpeg(data)
+        if img is None:
+            return None
+        width, height = img.size
+        rng = random.Random(seed)
+        if self.rrc is not None:
+            i, j, h, w = crop_params(rng, height, width, self.rrc)
+            box: tuple[float, float, float, float] = (j, i, j + w, i + h)
+        else:
+            box = centre_box(height, width, self.size)
+            h, w = box[3] - box[1], box[2] - box[0]
+        scale = draft_scale(h, w, self.size)
+        if scale == 1:
+            return None
+        out = decode_box(img, box, (self.size, self.size), scale, self.interp.value)
+        if self.hflip and rng.random() < self.hflip:
+            out = out.flip(-1)
+        return out
 
     def apply(self, img: torch.Tensor, seed: int) -> torch.Tensor:
         rng = random.Random(seed)
