@@ -572,3 +572,44 @@ def test_the_resize_a_model_trained_with_is_the_one_it_is_evaluated_exported_and
     assert eval_augment(before) == meta["normalize"]
     assert resolve_augment(eval_augment(before))["interpolation"] == "bicubic"
     assert not torch.equal(first_batch(eval_augment(before)), trained_on)
+
+
+DEVICE_DECODE_AUGMENT = {"random_resized_crop": [0.08, 0.3], "hflip": 0.5, "random_erasing": 0.5,
+                         "interpolation": "bilinear"}  # crops under 448 px: the loader decodes these in full too
+
+
+def _decode_batches(shards, decode: str, device: str = "cpu", world_size: int = 1, num_workers: int = 0):
+    aug = {**DEVICE_DECODE_AUGMENT, "decode": decode}
+    return _rank_batches(shards, world_size, global_batch=16, steps=2, seed=3, augment=aug, image_size=224,
+                         num_workers=num_workers) if device == "cpu" else \
+        [list(make_train_loader(shards, batch_size=16, image_size=224, steps_per_epoch=2, rank=0, world_size=1,
+                                epoch=0, seed=3, augment=aug, device=device, return_keys=True))]
+
+
+def test_device_decode_gives_the_loader_decodes_batches(photo_shards):
+    """``augment.decode: device`` (JPEG bytes shipped, decoded, cropped and flipped in the training process)
+    gives the very batches of ``decode: loader`` where both decode in full, here on the CPU, on 1 rank and
+    on 2 with a loader worker each."""
+    ref = _decode_batches(photo_shards, "loader")
+    for world_size, workers in ((1, 0), (2, 1)):
+        got = _decode_batches(photo_shards, "device", world_size=world_size, num_workers=workers)
+        for step in range(2):
+            assert _global_step(got, step) == _global_step(ref, step), (world_size, step)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_decode_on_cuda_matches_the_cpu(photo_shards):
+    """nvJPEG's decode, cropped and flipped on the GPU, is the CPU path's image within a few levels."""
+    ref, got = _decode_batches(photo_shards, "loader")[0], _decode_batches(photo_shards, "device", "cuda")[0]
+    for (x_ref, y_ref, k_ref), (x, y, k) in zip(ref, got, strict=True):
+        assert k == k_ref and torch.equal(y.cpu(), y_ref) and x.is_cuda
+        assert (x.cpu() - x_ref).abs().mean() * 127.5 < 2.0  # normalised by 0.5: 1 level = 1 / 127.5
+
+
+@pytest.mark.parametrize("augment, match", [
+    ({"decode": "gpu"}, r"augment.decode='gpu'; valid: \['loader', 'device'\]"),
+    ({"decode": "device", "auto_augment": "randaugment"}, "set auto_augment to null or decode to loader")])
+def test_decode_choice_checked(augment, match):
+    from pipeline.data.transforms import resolve_augment
+    with pytest.raises(ValueError, match=match):
+        resolve_augment(augment)

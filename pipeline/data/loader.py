@@ -32,13 +32,14 @@ from pipeline.utils import DATASET_INFO
 
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
+from .device_decode import decode_parcel, encode_parcel
 from .draft import JPEG_EXTS
 from .integrity import RecordedShards, bad_sample, reshard, sample_label, shard_stage, size_changed
 from .pixels import bad_image_reason
 from .splits import EMPTY_SPLIT_EFFECT, lacks_given_test, why_empty
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
 from .tario import IndexedShards, tarfile_samples
-from .transforms import BatchFinish, SampleTransform
+from .transforms import BatchFinish, SampleTransform, resolve_augment
 
 _FSSPEC_SCHEMES = ("s3", "gcs", "az", "abfs", "memory")
 
@@ -230,11 +231,14 @@ class TrainBatch(NamedTuple):
     samples in step order as one batch of uint8 pixels (cropped, flipped, auto-augmented) and one int64
     tensor with the labels and the per-sample draws left for the device (the erasing boxes; see
     :class:`.device_augment.DeviceAugment`). Two tensors, not one per field or step: each tensor a worker
-    ships costs the training process a file-descriptor handoff (~0.3 ms each on the 2-core CPU machine)."""
+    ships costs the training process a file-descriptor handoff (~0.3 ms each on the 2-core CPU machine).
+    With ``augment.decode: device``, ``images`` holds the JPEG bytes and ``encoded`` their lengths and crop
+    seeds (:mod:`.device_decode`)."""
 
-    images: torch.Tensor          # uint8 [S * B, 3, H, W]
+    images: torch.Tensor          # uint8 [S * B, 3, H, W], or [total bytes] with ``encoded``
     meta: torch.Tensor            # int64 [S * B] labels, then [S * B * 4] erasing boxes when erasing is on
     keys: Optional[list[str]]
+    encoded: Optional[torch.Tensor] = None  # int64 [S * B, 2]: each JPEG's length and crop seed
 
     @staticmethod
     def pack(labels: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -245,7 +249,7 @@ class TrainBatch(NamedTuple):
 
     def unpack(self, meta: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(labels, params)`` as views of ``meta`` (this batch's, or a copy of it on the device)."""
-        n = len(self.images)
+        n = len(self.images if self.encoded is None else self.encoded)
         return meta[:n], ({"erase": meta[n:].view(n, 4)} if len(meta) > n else {})
 
 
@@ -271,6 +275,7 @@ class _TrainSteps(IterableDataset):
         self.epochs, self.start_batch = range(epoch, last_epoch + 1), start_batch
         self.transform = SampleTransform(image_size, augment, train=True)
         self.device_augment = DeviceAugment(augment)
+        self.decode_on_device = resolve_augment(augment)["decode"] == "device"
 
     def __iter__(self) -> Iterator[TrainBatch]:
         info = get_worker_info()
@@ -300,18 +305,23 @@ class _TrainSteps(IterableDataset):
 
     def _batch(self, raw: list[dict], epochs: list[int]) -> TrainBatch:
         seeds = [sample_seeds(self.seed, epoch, s["__pass__"], s["__key__"]) for s, epoch in zip(raw, epochs)]
+        keys = [s["__key__"] for s in raw] if self.return_keys else None
+        if self.decode_on_device:  # ship the bytes: the device decodes, crops and flips
+            data, encoded = encode_parcel(raw, [a for a, _ in seeds])
+            labels = torch.tensor([sample_label(s, self.check.num_classes) for s in raw], dtype=torch.int64)
+            params = self.device_augment.draw([d for _, d in seeds], self.transform.size, self.transform.size)
+            return TrainBatch(data, TrainBatch.pack(labels, params), keys, encoded)
         decoded = [transformed_sample(sample, self.transform, a, self.check.num_classes)
                    for sample, (a, _) in zip(raw, seeds)]
         images = torch.stack([img for img, _ in decoded])
         params = self.device_augment.draw([d for _, d in seeds], *images.shape[-2:])
         images, params = self.device_augment.on_host(images, params)
         labels = torch.tensor([label for _, label in decoded], dtype=torch.int64)
-        return TrainBatch(images, TrainBatch.pack(labels, params),
-                          [s["__key__"] for s in raw] if self.return_keys else None)
+        return TrainBatch(images, TrainBatch.pack(labels, params), keys)
 
 
 def _on_device(parcels: Iterator[TrainBatch], augment: DeviceAugment, device: torch.device, batch_size: int,
-               return_keys: bool) -> Iterator[tuple]:
+               return_keys: bool, transform: SampleTransform) -> Iterator[tuple]:
     """Copy each parcel to ``device`` (non-blocking from pinned memory on CUDA) and finish the
     augmentation there (the CPU ships uint8, the device converts, normalises and erases), then hand
     out its steps' batches one by one, as views."""
@@ -321,7 +331,11 @@ def _on_device(parcels: Iterator[TrainBatch], augment: DeviceAugment, device: to
         if cuda and not images.is_pinned():  # DataLoader workers pin already (pin_memory=True)
             images, meta = images.pin_memory(), meta.pin_memory()
         y, params = parcel.unpack(meta.to(device, non_blocking=cuda))
-        x = augment(images.to(device, non_blocking=cuda), params)
+        if parcel.encoded is None:
+            images = images.to(device, non_blocking=cuda)
+        else:
+            images = decode_parcel(images, parcel.encoded, transform, device)
+        x = augment(images, params)
         for i in range(0, len(y), batch_size):
             step = slice(i, i + batch_size)
             yield (x[step], y[step], parcel.keys[step]) if return_keys else (x[step], y[step])
@@ -397,7 +411,7 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
                             pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
 
     def batches() -> Iterator[tuple]:
-        on_device = _on_device(iter(source), ds.device_augment, device, batch_size, return_keys)
+        on_device = _on_device(iter(source), ds.device_augment, device, batch_size, return_keys, ds.transform)
         return _one_ahead_on_side_stream(on_device, device) if device.type == "cuda" else on_device
     return _Loader(batches, length, length * batch_size, in_flight=num_workers * (prefetch + 1) * ds.parcel)
 

@@ -24,7 +24,9 @@ AUGMENT_DEFAULTS: dict[str, Any] = {
     "auto_augment": None,
     "random_erasing": 0.0,
     "interpolation": "bicubic",
+    "decode": "loader",
 }
+DECODES = ("loader", "device")  # augment.decode: where train JPEGs are decoded, cropped and flipped
 AUTOAUGMENT_CIFAR10 = "autoaugment-cifar10"  # torchvision's AutoAugment with its CIFAR-10 policy
 AUTO_AUGMENT_TRANSFORMS: dict[str, Callable[..., v2.Transform]] = {  # each choice: torchvision's (interpolation=)
     "randaugment": v2.RandAugment,
@@ -98,6 +100,11 @@ def resolve_augment(augment: Optional[dict], *, allow_dataset: bool = False) -> 
         raise ValueError(f"augment.auto_augment={cfg['auto_augment']!r}; valid: {list(AUTO_AUGMENTS)}")
     if not isinstance(cfg["interpolation"], str) or cfg["interpolation"] not in INTERPOLATIONS:
         raise ValueError(f"augment.interpolation={cfg['interpolation']!r}; valid: {sorted(INTERPOLATIONS)}")
+    if not isinstance(cfg["decode"], str) or cfg["decode"] not in DECODES:
+        raise ValueError(f"augment.decode={cfg['decode']!r}; valid: {list(DECODES)}")
+    if cfg["decode"] == "device" and cfg["auto_augment"] is not None:
+        raise ValueError(f"augment.decode=device and auto_augment={cfg['auto_augment']!r}: auto-augment runs in "
+                         f"the loader workers, on decoded pixels; set auto_augment to null or decode to loader")
     return cfg
 
 
@@ -234,7 +241,7 @@ class SampleTransform:
 
     def resize(self, img: torch.Tensor) -> torch.Tensor:
         """uint8 ``[3, h, w]`` -> ``[3, size, size]``, torchvision's pixels (antialiased)."""
-        if self.direct and img.dtype == torch.uint8:
+        if self.direct and img.dtype == torch.uint8 and img.device.type == "cpu":
             return _interpolate(img, self.size, self.interp)
         return F.resize_image(img, [self.size, self.size], interpolation=self.interp, antialias=True)
 
