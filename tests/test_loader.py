@@ -527,18 +527,20 @@ def test_augment_dataset_normalisation(digits_dir):
 
 
 def test_loader_benchmark_runs_all_four_loaders(tmp_path):
-    """``benchmarks/loader_speed.py``, shrunk: an ImageFolder given as ``--data`` (so no CIFAR-10 tarball
-    is extracted), sharded both ways, each loader timed, the ratios printed."""
+    """``benchmarks/loader_speed.py``, shrunk: an ImageFolder (class folders, no train/) given as ``--data`` is
+    used as it is (no CIFAR-10 tarball extracted), sharded both ways, each loader timed, the ratios printed,
+    and with ``--json`` the figures as the last line."""
+    import json
     import subprocess
     import sys
 
     from tests.data_helpers import REPO
-    make_imagefolder(tmp_path / "data", splits=["train"], per_class=12)
+    make_imagefolder(tmp_path / "data", per_class=12)
     for bmp in (tmp_path / "data").rglob("*.bmp"):  # the ImageFolder baselines decode with torchvision.io: JPEG/PNG
         bmp.unlink()
     proc = subprocess.run([sys.executable, "benchmarks/loader_speed.py", "--data", tmp_path / "data", "--shards",
                            tmp_path / "shards", "--workers", "1", "--batch-size", "4", "--batches", "3", "--rounds", "1",
-                           "--image-size", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--image-size", "8", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     medians = {line.split(":")[0].split()[1]: float(line.split(":")[1].split()[0])
                for line in proc.stdout.splitlines() if line.startswith("median ")}
@@ -546,6 +548,25 @@ def test_loader_benchmark_runs_all_four_loaders(tmp_path):
     assert all(v > 0 for v in medians.values()), proc.stdout
     assert "encoding: raw vs source" in proc.stdout
     assert read_dataset_info(tmp_path / "shards-raw")["params"]["encoding"] == "raw"
+    assert read_dataset_info(tmp_path / "shards")["counts"]["train"] == 24  # the folder's JPEGs and PNGs
+    figures = json.loads(proc.stdout.splitlines()[-1])
+    assert figures["ratio_vs_imagefolder"] > 0 and figures["webdataset_img_s"] == round(medians["webdataset"])
+
+
+def test_loader_benchmark_upscales_a_folder(tmp_path):
+    """``--upscale``'s realistic set: so many images of the folder, at the size asked, as JPEGs, classes kept."""
+    from PIL import Image
+
+    from benchmarks.loader_speed import upscaled
+    src = make_imagefolder(tmp_path / "src", per_class=4)
+    out = upscaled(src, (40, 30), 7, under=tmp_path)
+    files = sorted(out.rglob("*"))
+    images = [f for f in files if f.is_file()]
+    assert len(images) == 7 and {f.parent.name for f in images} == {"cat", "dog", "eel"}
+    for f in images:
+        with Image.open(f) as img:
+            assert img.format == "JPEG" and img.size == (40, 30)
+    assert upscaled(src, (40, 30), 7, under=tmp_path) == out  # once
 
 
 def test_the_resize_a_model_trained_with_is_the_one_it_is_evaluated_exported_and_served_with(digits_dir):
