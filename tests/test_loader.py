@@ -345,7 +345,7 @@ def test_eval_exactly_once_uneven_shards(tmp_path, request, case, world_size, nu
     if case == "digits":
         out, image_size, batch, counts = tmp_path / "s", 8, 64, [130, 130, 100]
         info = shard_dataset(out, DataConfig(source="digits", maxcount=130))  # test: 360 -> 130+130+100 (3 shards)
-    else:  # 12 JPEGs in shards of 5, 5, 2; 224 px, decoded at half size
+    else:  # 12 JPEGs in shards of 5, 5, 2; 224 px, decoded at a quarter size
         out, image_size, batch, counts = request.getfixturevalue("photo_shards"), 224, 5, [5, 5, 2]
         info = read_dataset_info(out)
     assert [s["count"] for s in info["shards"]["test"]] == counts
@@ -596,7 +596,7 @@ def test_the_resize_a_model_trained_with_is_the_one_it_is_evaluated_exported_and
 
 
 DEVICE_DECODE_AUGMENT = {"random_resized_crop": [0.08, 0.3], "hflip": 0.5, "random_erasing": 0.5,
-                         "interpolation": "bilinear"}  # crops under 448 px: the loader decodes these in full too
+                         "interpolation": "bilinear"}  # crops under 896 px: the loader decodes these in full too
 
 
 def _decode_batches(shards, decode: str, device: str = "cpu", world_size: int = 1, num_workers: int = 0):

@@ -8,8 +8,10 @@ every global step. Every rank yields exactly ``steps_per_epoch`` full batches (s
 sample twice within an epoch, and ranks read disjoint samples (whole shards but those where the
 streams' ranges meet, when there are at least num_streams shards). DataLoader workers take
 turns at whole parcels of consecutive steps, so any worker count gives the same batches. Workers
-crop, flip and auto-augment and ship uint8 pixels; the training device converts, normalises and
-erases (:mod:`.device_augment`), a parcel at a time, and hands out its steps one by one.
+decode (large JPEGs at reduced size, :mod:`.draft`), crop, flip and auto-augment and ship uint8 pixels;
+the training device converts, normalises and erases (:mod:`.device_augment`), a parcel at a time, and
+hands out its steps one by one. With ``augment.decode: device`` the workers ship JPEG bytes and the
+device decodes, crops and flips too (:mod:`.device_decode`).
 Eval: every sample of a split exactly once across ranks. Readers (rank x worker) split at shard
 level when there are enough shards, else by key index modulo the number of readers, so a small
 split still divides exactly.

@@ -13,7 +13,7 @@ import torch
 from torchvision.transforms import AutoAugmentPolicy, InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
-from .draft import decode_box, draft_scale, open_jpeg
+from .draft import MIN_SIZE as DRAFT_MIN_SIZE, decode_reduced, draft_scale, jpeg_size, open_jpeg
 
 AUGMENT_DEFAULTS: dict[str, Any] = {
     "mean": [0.5, 0.5, 0.5],
@@ -248,12 +248,12 @@ class SampleTransform:
     def apply_encoded(self, data: bytes, seed: int) -> Optional[torch.Tensor]:
         """:meth:`apply` on a JPEG's bytes, decoded at reduced size (:mod:`.draft`): the same crop region
         and flip for the same seed, pixels within the DCT scaling's error of a full decode's. None where
-        no scale-down fits (the crop smaller than twice the output, a padded crop, not a JPEG): decode
+        no scale-down fits (the crop under 4 times the output, a padded crop, not a JPEG): decode
         in full and call :meth:`apply`."""
-        img = None if self.pad is not None else open_jpeg(data)
-        if img is None:
+        size = None if self.pad is not None or self.size < DRAFT_MIN_SIZE else jpeg_size(data)
+        if size is None:
             return None
-        width, height = img.size
+        width, height = size
         rng = random.Random(seed)
         if self.rrc is not None:
             i, j, h, w = crop_params(rng, height, width, self.rrc)
@@ -262,9 +262,12 @@ class SampleTransform:
             box = centre_box(height, width, self.size)
             h, w = box[3] - box[1], box[2] - box[0]
         scale = draft_scale(h, w, self.size)
-        if scale == 1:
+        img = open_jpeg(data) if scale > 1 else None
+        if img is None or img.size != size:
             return None
-        out = decode_box(img, box, (self.size, self.size), scale, self.interp.value)
+        reduced, f = decode_reduced(img, scale)
+        left, top, right, bottom = (round(v * f) for v in box)
+        out = self.resize(reduced[:, top:bottom, left:right])
         if self.hflip and rng.random() < self.hflip:
             out = out.flip(-1)
         return out
