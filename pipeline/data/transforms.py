@@ -251,7 +251,7 @@ class SampleTransform:
         no scale-down fits (the crop under 4 times the output, a padded crop, not a JPEG): decode
         in full and call :meth:`apply`."""
         size = None if self.pad is not None or self.size < DRAFT_MIN_SIZE else jpeg_size(data)
-        if size is None:
+        if size is None or draft_scale(*size, self.size) == 1:  # no crop is larger than the image
             return None
         width, height = size
         rng = random.Random(seed)
