@@ -569,6 +569,28 @@ def test_loader_benchmark_upscales_a_folder(tmp_path):
     assert upscaled(src, (40, 30), 7, under=tmp_path) == out  # once
 
 
+def test_decode_benchmark_reports_both_paths(tmp_path):
+    """``benchmarks/decode_speed.py``, shrunk: per size and crop the full and the loader's decode timed, and
+    the share the reduced decode served (none at 300 x 200, every eval crop at 1000 x 800 for 64 px)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.data_helpers import REPO
+    make_imagefolder(tmp_path / "data", per_class=2)
+    proc = subprocess.run([sys.executable, "benchmarks/decode_speed.py", "--data", tmp_path / "data", "--sizes",
+                           "300x200,1000x800", "--image-size", "64", "--images", "3", "--repeats", "1", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.splitlines()[-1])
+    assert figures["eval_300x200_draft_share"] == 0 and figures["eval_1000x800_draft_share"] == 1, figures
+    assert all(figures[f"{c}_{s}_{k}"] > 0 for c in ("train", "eval") for s in ("300x200", "1000x800")
+               for k in ("full_ms", "loader_ms", "speedup")), figures
+    bad = subprocess.run([sys.executable, "benchmarks/decode_speed.py", "--data", tmp_path / "data", "--sizes", "big"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--sizes: 'big': give WIDTHxHEIGHT" in bad.stderr, bad.stderr
+
+
 def test_the_resize_a_model_trained_with_is_the_one_it_is_evaluated_exported_and_served_with(digits_dir):
     """config.json records ``<stage>.augment.interpolation`` beside mean / std, and evaluate, export and
     predict (``eval_augment``) resize with it: a model trained and validated on nearest-resized images was
