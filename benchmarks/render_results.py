@@ -38,6 +38,8 @@ TITLES = {
     "loader_speed": "`benchmarks/loader_speed.py`: the webdataset train loader against torchvision's "
                     "ImageFolder (img/s)",
     "shard_speed": "`benchmarks/shard_speed.py`: the shard stage on CIFAR-10 train",
+    "decode_speed": "`benchmarks/decode_speed.py`: CPU ms per image of the JPEG decode + crop, reduced-size "
+                    "decode where it fits against a full decode",
     "train_memory": "`benchmarks/train_memory.py`: step memory and speed with and without "
                     "`grad_checkpointing`",
     "plain_loop": "`benchmarks/plain_loop.py`: a textbook PyTorch loop on a recipe's pretrain stage",

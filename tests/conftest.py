@@ -294,6 +294,20 @@ def digits_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def photo_shards(tmp_path_factory) -> Path:
+    """48 photo-like 1600 x 1200 JPEGs, copied through into shards of 5 (train 36, test 12): a 224 px crop
+    of them decodes at reduced size where it spans 896 px (the eval crop, some train crops); read-only."""
+    from pipeline.config import DataConfig
+    from pipeline.data import shard_dataset
+    from tests.data_helpers import make_photo_folder
+    root = make_photo_folder(tmp_path_factory.mktemp("photos") / "folder", size=(1600, 1200))
+    out = root.parent / "shards"
+    shard_dataset(out, DataConfig(source="imagefolder", root=str(root), maxcount=5, val_fraction=0.0,
+                                  test_fraction=0.25))
+    return out
+
+
 @pytest.fixture
 def stage_signals():
     """SIGTERM/SIGINT raise StageInterrupted, as in a stage; the test process's handlers come back after."""

@@ -140,3 +140,30 @@ def sideways_photo(path: Path, fmt: str) -> np.ndarray:
     quality = {"quality": 95} if fmt == "JPEG" else {}
     Image.fromarray(np.rot90(upright).copy()).save(path, fmt, exif=exif, **quality)
     return upright
+
+
+def photo(rng, size=(480, 360), detail=8) -> np.ndarray:
+    """A smooth random RGB image (``size`` = width, height): random colours at a ``detail`` x ``detail``
+    grid, bicubic-upscaled, plus a little noise; photo-like for a JPEG codec (no 8 x 8 block edges)."""
+    from PIL import Image
+    coarse = Image.fromarray(rng.integers(0, 256, (detail, detail, 3), dtype=np.uint8))
+    arr = np.asarray(coarse.resize(size, Image.Resampling.BICUBIC), dtype=np.int16)
+    return np.clip(arr + rng.integers(-6, 7, arr.shape), 0, 255).astype(np.uint8)
+
+
+def jpeg_bytes(arr: np.ndarray, quality: int = 90) -> bytes:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def make_photo_folder(root: Path, classes=("ant", "bee", "cow", "dog"), per_class=12, size=(480, 360),
+                      seed=0) -> Path:
+    """An ImageFolder of photo-like JPEGs (:func:`photo`) at quality 90, as a camera or ImageNet has them."""
+    rng = np.random.default_rng(seed)
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            (root / c / f"{i:03d}.jpg").write_bytes(jpeg_bytes(photo(rng, size)))
+    return root

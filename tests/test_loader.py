@@ -46,18 +46,28 @@ def _tiny_train(tmp_path, n_shards_max: int, test_fraction: float = 0.97) -> Pat
     return out
 
 
-@pytest.mark.parametrize("maxcount", [100, 2000], ids=["13-shards", "1-shard"])
-def test_train_world_size_invariant(tmp_path, maxcount):
+def _case_shards(tmp_path, request, case: str) -> tuple[Path, int]:
+    """(shards, image size) of a loader test case: digits cut into shards of N (``"N-shards"`` /
+    ``"1-shard"``), or 224 px from the photo-like JPEGs (``"jpeg-224"``: some decoded at reduced size)."""
+    if case == "jpeg-224":
+        return request.getfixturevalue("photo_shards"), 224
+    out = tmp_path / "s"
+    shard_dataset(out, DataConfig(source="digits", maxcount={"13-shards": 100, "1-shard": 2000}[case]))
+    return out, 12
+
+
+@pytest.mark.parametrize("case", ["13-shards", "1-shard", "jpeg-224"])
+def test_train_world_size_invariant(tmp_path, request, case):
     """W=1, W=2 and W=4 (and W=2 with DataLoader workers) with the same global batch, seed and
     streams train on the same samples with bitwise-identical augmented pixels in every step."""
-    out = tmp_path / "s"
-    shard_dataset(out, DataConfig(source="digits", maxcount=maxcount))
-    kw = dict(global_batch=32, steps=4, epoch=3, seed=7, augment=AUG_ALL_RANDOM)
+    out, image_size = _case_shards(tmp_path, request, case)
+    steps = 1 if case == "jpeg-224" else 4  # 36 JPEGs: one step of 32 before streams wrap
+    kw = dict(global_batch=32, steps=steps, epoch=3, seed=7, augment=AUG_ALL_RANDOM, image_size=image_size)
     one = _rank_batches(out, 1, **kw)
     runs = {"W=2": _rank_batches(out, 2, **kw), "W=4": _rank_batches(out, 4, **kw),
             "W=2 x 2 workers": _rank_batches(out, 2, num_workers=2, **kw),
             "W=1 x 3 workers": _rank_batches(out, 1, num_workers=3, **kw)}
-    for step in range(4):
+    for step in range(steps):
         ref = _global_step(one, step)
         assert len(ref) == 32 and len({k for k, _, _ in ref}) == 32
         for name, per_rank in runs.items():
@@ -315,10 +325,10 @@ def test_train_more_steps_than_data_cycles(tmp_path):
     assert sum(1 for _ in loader) == 30
 
 
-def _eval_labels(out, split, world_size, batch_size, num_workers=0):
+def _eval_labels(out, split, world_size, batch_size, num_workers=0, image_size=8):
     per_rank = []
     for rank in range(world_size):
-        loader = make_eval_loader(out, split, batch_size=batch_size, image_size=8, rank=rank,
+        loader = make_eval_loader(out, split, batch_size=batch_size, image_size=image_size, rank=rank,
                                   world_size=world_size, augment={"mean": [0.1, 0.2, 0.3]},
                                   num_workers=num_workers)
         batches = list(loader)
@@ -329,16 +339,21 @@ def _eval_labels(out, split, world_size, batch_size, num_workers=0):
     return per_rank
 
 
-@pytest.mark.parametrize("world_size, num_workers", [(2, 0), (4, 0), (2, 3)])
-def test_eval_exactly_once_uneven_shards(tmp_path, world_size, num_workers):
-    out = tmp_path / "s"
-    info = shard_dataset(out, DataConfig(source="digits", maxcount=130))  # test: 360 -> 130+130+100 (3 shards)
-    assert [s["count"] for s in info["shards"]["test"]] == [130, 130, 100]
-    per_rank = _eval_labels(out, "test", world_size, batch_size=64, num_workers=num_workers)
+@pytest.mark.parametrize("case, world_size, num_workers",
+                         [("digits", 2, 0), ("digits", 4, 0), ("digits", 2, 3), ("jpeg-224", 2, 0), ("jpeg-224", 4, 2)])
+def test_eval_exactly_once_uneven_shards(tmp_path, request, case, world_size, num_workers):
+    if case == "digits":
+        out, image_size, batch, counts = tmp_path / "s", 8, 64, [130, 130, 100]
+        info = shard_dataset(out, DataConfig(source="digits", maxcount=130))  # test: 360 -> 130+130+100 (3 shards)
+    else:  # 12 JPEGs in shards of 5, 5, 2; 224 px, decoded at a quarter size
+        out, image_size, batch, counts = request.getfixturevalue("photo_shards"), 224, 5, [5, 5, 2]
+        info = read_dataset_info(out)
+    assert [s["count"] for s in info["shards"]["test"]] == counts
+    per_rank = _eval_labels(out, "test", world_size, batch_size=batch, num_workers=num_workers, image_size=image_size)
     total = sum(len(b[1]) for batches in per_rank for b in batches)
-    assert total == 360
+    assert total == sum(counts)
     # exactly once: the multiset of decoded images equals a single-rank pass
-    single = _eval_labels(out, "test", 1, batch_size=64)[0]
+    single = _eval_labels(out, "test", 1, batch_size=batch, image_size=image_size)[0]
     ref = sorted(tuple(x.flatten().tolist()) + (int(y),) for xb, yb in single for x, y in zip(xb, yb))
     got = sorted(tuple(x.flatten().tolist()) + (int(y),)
                  for batches in per_rank for xb, yb in batches for x, y in zip(xb, yb))
@@ -513,18 +528,20 @@ def test_augment_dataset_normalisation(digits_dir):
 
 @pytest.mark.slow
 def test_loader_benchmark_runs_all_four_loaders(tmp_path):
-    """``benchmarks/loader_speed.py``, shrunk: an ImageFolder given as ``--data`` (so no CIFAR-10 tarball
-    is extracted), sharded both ways, each loader timed, the ratios printed."""
+    """``benchmarks/loader_speed.py``, shrunk: an ImageFolder (class folders, no train/) given as ``--data`` is
+    used as it is (no CIFAR-10 tarball extracted), sharded both ways, each loader timed, the ratios printed,
+    and with ``--json`` the figures as the last line."""
+    import json
     import subprocess
     import sys
 
     from tests.data_helpers import REPO
-    make_imagefolder(tmp_path / "data", splits=["train"], per_class=12)
+    make_imagefolder(tmp_path / "data", per_class=12)
     for bmp in (tmp_path / "data").rglob("*.bmp"):  # the ImageFolder baselines decode with torchvision.io: JPEG/PNG
         bmp.unlink()
     proc = subprocess.run([sys.executable, "benchmarks/loader_speed.py", "--data", tmp_path / "data", "--shards",
                            tmp_path / "shards", "--workers", "1", "--batch-size", "4", "--batches", "3", "--rounds", "1",
-                           "--image-size", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--image-size", "8", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     medians = {line.split(":")[0].split()[1]: float(line.split(":")[1].split()[0])
                for line in proc.stdout.splitlines() if line.startswith("median ")}
@@ -532,6 +549,47 @@ def test_loader_benchmark_runs_all_four_loaders(tmp_path):
     assert all(v > 0 for v in medians.values()), proc.stdout
     assert "encoding: raw vs source" in proc.stdout
     assert read_dataset_info(tmp_path / "shards-raw")["params"]["encoding"] == "raw"
+    assert read_dataset_info(tmp_path / "shards")["counts"]["train"] == 24  # the folder's JPEGs and PNGs
+    figures = json.loads(proc.stdout.splitlines()[-1])
+    assert figures["ratio_vs_imagefolder"] > 0 and figures["webdataset_img_s"] == round(medians["webdataset"])
+
+
+def test_loader_benchmark_upscales_a_folder(tmp_path):
+    """``--upscale``'s realistic set: so many images of the folder, at the size asked, as JPEGs, classes kept."""
+    from PIL import Image
+
+    from benchmarks.loader_speed import upscaled
+    src = make_imagefolder(tmp_path / "src", per_class=4)
+    out = upscaled(src, (40, 30), 7, under=tmp_path)
+    files = sorted(out.rglob("*"))
+    images = [f for f in files if f.is_file()]
+    assert len(images) == 7 and {f.parent.name for f in images} == {"cat", "dog", "eel"}
+    for f in images:
+        with Image.open(f) as img:
+            assert img.format == "JPEG" and img.size == (40, 30)
+    assert upscaled(src, (40, 30), 7, under=tmp_path) == out  # once
+
+
+def test_decode_benchmark_reports_both_paths(tmp_path):
+    """``benchmarks/decode_speed.py``, shrunk: per size and crop the full and the loader's decode timed, and
+    the share the reduced decode served (none at 300 x 200, every eval crop at 1000 x 800 for 64 px)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.data_helpers import REPO
+    make_imagefolder(tmp_path / "data", per_class=2)
+    proc = subprocess.run([sys.executable, "benchmarks/decode_speed.py", "--data", tmp_path / "data", "--sizes",
+                           "300x200,1000x800", "--image-size", "64", "--images", "3", "--repeats", "1", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.splitlines()[-1])
+    assert figures["eval_300x200_draft_share"] == 0 and figures["eval_1000x800_draft_share"] == 1, figures
+    assert all(figures[f"{c}_{s}_{k}"] > 0 for c in ("train", "eval") for s in ("300x200", "1000x800")
+               for k in ("full_ms", "loader_ms", "speedup")), figures
+    bad = subprocess.run([sys.executable, "benchmarks/decode_speed.py", "--data", tmp_path / "data", "--sizes", "big"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--sizes: 'big': give WIDTHxHEIGHT" in bad.stderr, bad.stderr
 
 
 def test_the_resize_a_model_trained_with_is_the_one_it_is_evaluated_exported_and_served_with(digits_dir):
@@ -558,3 +616,44 @@ def test_the_resize_a_model_trained_with_is_the_one_it_is_evaluated_exported_and
     assert eval_augment(before) == meta["normalize"]
     assert resolve_augment(eval_augment(before))["interpolation"] == "bicubic"
     assert not torch.equal(first_batch(eval_augment(before)), trained_on)
+
+
+DEVICE_DECODE_AUGMENT = {"random_resized_crop": [0.08, 0.3], "hflip": 0.5, "random_erasing": 0.5,
+                         "interpolation": "bilinear"}  # crops under 896 px: the loader decodes these in full too
+
+
+def _decode_batches(shards, decode: str, device: str = "cpu", world_size: int = 1, num_workers: int = 0):
+    aug = {**DEVICE_DECODE_AUGMENT, "decode": decode}
+    return _rank_batches(shards, world_size, global_batch=16, steps=2, seed=3, augment=aug, image_size=224,
+                         num_workers=num_workers) if device == "cpu" else \
+        [list(make_train_loader(shards, batch_size=16, image_size=224, steps_per_epoch=2, rank=0, world_size=1,
+                                epoch=0, seed=3, augment=aug, device=device, return_keys=True))]
+
+
+def test_device_decode_gives_the_loader_decodes_batches(photo_shards):
+    """``augment.decode: device`` (JPEG bytes shipped, decoded, cropped and flipped in the training process)
+    gives the very batches of ``decode: loader`` where both decode in full, here on the CPU, on 1 rank and
+    on 2 with a loader worker each."""
+    ref = _decode_batches(photo_shards, "loader")
+    for world_size, workers in ((1, 0), (2, 1)):
+        got = _decode_batches(photo_shards, "device", world_size=world_size, num_workers=workers)
+        for step in range(2):
+            assert _global_step(got, step) == _global_step(ref, step), (world_size, step)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_decode_on_cuda_matches_the_cpu(photo_shards):
+    """nvJPEG's decode, cropped and flipped on the GPU, is the CPU path's image within a few levels."""
+    ref, got = _decode_batches(photo_shards, "loader")[0], _decode_batches(photo_shards, "device", "cuda")[0]
+    for (x_ref, y_ref, k_ref), (x, y, k) in zip(ref, got, strict=True):
+        assert k == k_ref and torch.equal(y.cpu(), y_ref) and x.is_cuda
+        assert (x.cpu() - x_ref).abs().mean() * 127.5 < 2.0  # normalised by 0.5: 1 level = 1 / 127.5
+
+
+@pytest.mark.parametrize("augment, match", [
+    ({"decode": "gpu"}, r"augment.decode='gpu'; valid: \['loader', 'device'\]"),
+    ({"decode": "device", "auto_augment": "randaugment"}, "set auto_augment to null or decode to loader")])
+def test_decode_choice_checked(augment, match):
+    from pipeline.data.transforms import resolve_augment
+    with pytest.raises(ValueError, match=match):
+        resolve_augment(augment)

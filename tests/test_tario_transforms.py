@@ -199,3 +199,89 @@ def test_random_crop_bad_values(augment, needle):
     from pipeline.data.transforms import resolve_augment
     with pytest.raises(ValueError, match=re.escape(needle)):
         resolve_augment(augment)
+
+
+def _ramp_jpeg(width: int, height: int) -> bytes:
+    """R rises left to right, G top to bottom, B constant: a crop's edges can be read off its pixels."""
+    import numpy as np
+
+    from tests.data_helpers import jpeg_bytes
+    x = np.linspace(0, 255, width)[None, :].repeat(height, 0)
+    y = np.linspace(0, 255, height)[:, None].repeat(width, 1)
+    return jpeg_bytes(np.stack([x, y, np.full_like(x, 128)], -1).round().astype(np.uint8), quality=95)
+
+
+DRAFT_AUGMENTS = {"train": ({"random_resized_crop": [0.08, 1.0], "hflip": 0.5, "interpolation": "bilinear"}, True),
+                  "eval": ({}, False)}
+
+
+@pytest.mark.parametrize("case", sorted(DRAFT_AUGMENTS))
+def test_draft_decode_covers_the_full_decodes_region(case):
+    """A JPEG decoded at 1/4 or 1/8 size (libjpeg's DCT scaling) then cropped and resized gives the
+    region and flip of the full decode's path for the same seed: on ramps, an edge off by 1 % of the
+    image is ~2.5 levels; both paths agree within 2 at every pixel's mean over a row or column."""
+    from pipeline.data.codec import decode
+    from pipeline.data.transforms import SampleTransform
+    aug, train = DRAFT_AUGMENTS[case]
+    t = SampleTransform(64, aug, train=train)
+    data = _ramp_jpeg(1200, 900)
+    drafted = flipped = 0
+    for seed in range(40):
+        fast = t.apply_encoded(data, seed)
+        if fast is None:
+            continue
+        drafted += 1
+        full = t.apply(decode("jpg", data), seed).float()
+        fast = fast.float()
+        assert fast.shape == full.shape == (3, 64, 64)
+        for ch, dim in ((0, 1), (1, 2)):  # R's column means (x extent), G's row means (y extent)
+            assert (fast[ch].mean(dim - 1) - full[ch].mean(dim - 1)).abs().max() < 2.0, (seed, ch)
+        flipped += bool(full[0, :, 0].mean() > full[0, :, -1].mean())
+    assert drafted >= 10  # the reduced decode ran (crops of >= 256 px of a 1200 x 900 image)
+    assert not train or 0 < flipped < drafted  # flips drawn as in the full path, both ways
+
+
+@pytest.mark.parametrize("case", sorted(DRAFT_AUGMENTS))
+def test_draft_decode_pixels_close_to_full_decode(case):
+    """On photo-like JPEGs at 224 px the reduced decode's pixels stay within a few levels of the full
+    decode's (mean absolute difference; another region would be tens), and an image too small to
+    reduce is left to the full path."""
+    import numpy as np
+
+    from pipeline.data.codec import decode
+    from pipeline.data.draft import draft_scale
+    from pipeline.data.transforms import SampleTransform
+    from tests.data_helpers import jpeg_bytes, photo
+    aug, train = DRAFT_AUGMENTS[case]
+    t = SampleTransform(224, aug, train=train)
+    rng = np.random.default_rng(0)
+    diffs = []
+    for seed in range(16):
+        data = jpeg_bytes(photo(rng, (2000, 1500), detail=24))
+        fast = t.apply_encoded(data, seed)
+        if fast is not None:
+            diffs.append(float((fast.float() - t.apply(decode("jpg", data), seed).float()).abs().mean()))
+    # noise of +-6 levels, averaged by the DCT scaling and by the resize differently: 0.4 to 3.5 here
+    assert len(diffs) >= 4 and max(diffs) < 4.0 and sum(diffs) / len(diffs) < 2.5, diffs
+    assert t.apply_encoded(jpeg_bytes(photo(rng, (800, 600))), 0) is None  # < 896 px: no scale-down fits
+    assert SampleTransform(32, aug, train=train).apply_encoded(data, 0) is None  # small outputs decode in full
+    assert [draft_scale(n, n, 224) for n in (895, 896, 1791, 1792, 5000)] == [1, 4, 4, 8, 8]
+
+
+def test_jpeg_size_reads_the_frame_header():
+    """The size read from a JPEG's header (baseline, progressive, grayscale) is Pillow's; other bytes: None."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from pipeline.data.draft import jpeg_size
+    from tests.data_helpers import photo
+    arr = photo(np.random.default_rng(0), (37, 23))
+    for mode, kw in (("RGB", {}), ("RGB", {"progressive": True}), ("L", {}), ("RGB", {"exif": b"Exif\0\0" + b"x" * 300})):
+        buf = io.BytesIO()
+        Image.fromarray(arr).convert(mode).save(buf, "JPEG", **kw)
+        assert jpeg_size(buf.getvalue()) == (37, 23), (mode, kw)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    assert jpeg_size(buf.getvalue()) is None and jpeg_size(b"\xff\xd8\xff") is None

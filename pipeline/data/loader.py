@@ -8,8 +8,10 @@ every global step. Every rank yields exactly ``steps_per_epoch`` full batches (s
 sample twice within an epoch, and ranks read disjoint samples (whole shards but those where the
 streams' ranges meet, when there are at least num_streams shards). DataLoader workers take
 turns at whole parcels of consecutive steps, so any worker count gives the same batches. Workers
-crop, flip and auto-augment and ship uint8 pixels; the training device converts, normalises and
-erases (:mod:`.device_augment`), a parcel at a time, and hands out its steps one by one.
+decode (large JPEGs at reduced size, :mod:`.draft`), crop, flip and auto-augment and ship uint8 pixels;
+the training device converts, normalises and erases (:mod:`.device_augment`), a parcel at a time, and
+hands out its steps one by one. With ``augment.decode: device`` the workers ship JPEG bytes and the
+device decodes, crops and flips too (:mod:`.device_decode`).
 Eval: every sample of a split exactly once across ranks. Readers (rank x worker) split at shard
 level when there are enough shards, else by key index modulo the number of readers, so a small
 split still divides exactly.
@@ -32,12 +34,14 @@ from pipeline.utils import DATASET_INFO
 
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
+from .device_decode import decode_parcel, encode_parcel
+from .draft import JPEG_EXTS
 from .integrity import RecordedShards, bad_sample, reshard, sample_label, shard_stage, size_changed
 from .pixels import bad_image_reason
 from .splits import EMPTY_SPLIT_EFFECT, lacks_given_test, why_empty
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
 from .tario import IndexedShards, tarfile_samples
-from .transforms import BatchFinish, SampleTransform
+from .transforms import BatchFinish, SampleTransform, resolve_augment
 
 _FSSPEC_SCHEMES = ("s3", "gcs", "az", "abfs", "memory")
 
@@ -142,6 +146,23 @@ def decode_sample(sample: dict, num_classes: int | None = None) -> tuple[torch.T
         raise bad_sample(sample, f"its .{ext} image does not decode ({reason})") from None
 
 
+def transformed_sample(sample: dict, transform: SampleTransform, seed: int,
+                       num_classes: int | None = None) -> tuple[torch.Tensor, int]:
+    """Raw sample -> (``transform``'s uint8 output, label): a JPEG decoded at reduced size where the
+    crop allows (:meth:`.SampleTransform.apply_encoded`), anything else (or a JPEG Pillow refuses)
+    decoded in full by :func:`decode_sample`, which names what is wrong with a bad one."""
+    ext = next((e for e in JPEG_EXTS if e in sample), None)
+    if ext is not None:
+        try:
+            img = transform.apply_encoded(sample[ext], seed)
+        except Exception:  # bytes Pillow cannot decode: the full decoder reads them or says why not
+            img = None
+        if img is not None:
+            return img, sample_label(sample, num_classes)
+    img, label = decode_sample(sample, num_classes)
+    return transform.apply(img, seed), label
+
+
 def _collate(samples):
     """Stack uint8 samples (normalised later, once per batch, on the device)."""
     images, labels = zip(*samples)
@@ -180,10 +201,11 @@ def _shards(shard_dir, split: str) -> tuple[list[str], list[dict], RecordedShard
 
 
 def _eval_pipeline(stream: _ShardStream, image_size, augment, batch_size):
+    transform = SampleTransform(image_size, augment, train=False)
     return wds.DataPipeline(
         stream,
-        wds.map(functools.partial(decode_sample, num_classes=stream.check.num_classes)),
-        wds.map_tuple(SampleTransform(image_size, augment, train=False), None),
+        wds.map(functools.partial(transformed_sample, transform=transform, seed=0,
+                                  num_classes=stream.check.num_classes)),
         wds.batched(batch_size, collation_fn=_collate, partial=True))
 
 
@@ -211,11 +233,14 @@ class TrainBatch(NamedTuple):
     samples in step order as one batch of uint8 pixels (cropped, flipped, auto-augmented) and one int64
     tensor with the labels and the per-sample draws left for the device (the erasing boxes; see
     :class:`.device_augment.DeviceAugment`). Two tensors, not one per field or step: each tensor a worker
-    ships costs the training process a file-descriptor handoff (~0.3 ms each on the 2-core CPU machine)."""
+    ships costs the training process a file-descriptor handoff (~0.3 ms each on the 2-core CPU machine).
+    With ``augment.decode: device``, ``images`` holds the JPEG bytes and ``encoded`` their lengths and crop
+    seeds (:mod:`.device_decode`)."""
 
-    images: torch.Tensor          # uint8 [S * B, 3, H, W]
+    images: torch.Tensor          # uint8 [S * B, 3, H, W], or [total bytes] with ``encoded``
     meta: torch.Tensor            # int64 [S * B] labels, then [S * B * 4] erasing boxes when erasing is on
     keys: Optional[list[str]]
+    encoded: Optional[torch.Tensor] = None  # int64 [S * B, 2]: each JPEG's length and crop seed
 
     @staticmethod
     def pack(labels: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -226,7 +251,7 @@ class TrainBatch(NamedTuple):
 
     def unpack(self, meta: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(labels, params)`` as views of ``meta`` (this batch's, or a copy of it on the device)."""
-        n = len(self.images)
+        n = len(self.images if self.encoded is None else self.encoded)
         return meta[:n], ({"erase": meta[n:].view(n, 4)} if len(meta) > n else {})
 
 
@@ -252,6 +277,7 @@ class _TrainSteps(IterableDataset):
         self.epochs, self.start_batch = range(epoch, last_epoch + 1), start_batch
         self.transform = SampleTransform(image_size, augment, train=True)
         self.device_augment = DeviceAugment(augment)
+        self.decode_on_device = resolve_augment(augment)["decode"] == "device"
 
     def __iter__(self) -> Iterator[TrainBatch]:
         info = get_worker_info()
@@ -280,18 +306,24 @@ class _TrainSteps(IterableDataset):
             yield self._batch(samples, epochs)
 
     def _batch(self, raw: list[dict], epochs: list[int]) -> TrainBatch:
-        decoded = [decode_sample(sample, self.check.num_classes) for sample in raw]
         seeds = [sample_seeds(self.seed, epoch, s["__pass__"], s["__key__"]) for s, epoch in zip(raw, epochs)]
-        images = torch.stack(self.transform.seeded([img for img, _ in decoded], [a for a, _ in seeds]))
+        keys = [s["__key__"] for s in raw] if self.return_keys else None
+        if self.decode_on_device:  # ship the bytes: the device decodes, crops and flips
+            data, encoded = encode_parcel(raw, [a for a, _ in seeds])
+            labels = torch.tensor([sample_label(s, self.check.num_classes) for s in raw], dtype=torch.int64)
+            params = self.device_augment.draw([d for _, d in seeds], self.transform.size, self.transform.size)
+            return TrainBatch(data, TrainBatch.pack(labels, params), keys, encoded)
+        decoded = [transformed_sample(sample, self.transform, a, self.check.num_classes)
+                   for sample, (a, _) in zip(raw, seeds)]
+        images = torch.stack([img for img, _ in decoded])
         params = self.device_augment.draw([d for _, d in seeds], *images.shape[-2:])
         images, params = self.device_augment.on_host(images, params)
         labels = torch.tensor([label for _, label in decoded], dtype=torch.int64)
-        return TrainBatch(images, TrainBatch.pack(labels, params),
-                          [s["__key__"] for s in raw] if self.return_keys else None)
+        return TrainBatch(images, TrainBatch.pack(labels, params), keys)
 
 
 def _on_device(parcels: Iterator[TrainBatch], augment: DeviceAugment, device: torch.device, batch_size: int,
-               return_keys: bool) -> Iterator[tuple]:
+               return_keys: bool, transform: SampleTransform) -> Iterator[tuple]:
     """Copy each parcel to ``device`` (non-blocking from pinned memory on CUDA) and finish the
     augmentation there (the CPU ships uint8, the device converts, normalises and erases), then hand
     out its steps' batches one by one, as views."""
@@ -301,7 +333,11 @@ def _on_device(parcels: Iterator[TrainBatch], augment: DeviceAugment, device: to
         if cuda and not images.is_pinned():  # DataLoader workers pin already (pin_memory=True)
             images, meta = images.pin_memory(), meta.pin_memory()
         y, params = parcel.unpack(meta.to(device, non_blocking=cuda))
-        x = augment(images.to(device, non_blocking=cuda), params)
+        if parcel.encoded is None:
+            images = images.to(device, non_blocking=cuda)
+        else:
+            images = decode_parcel(images, parcel.encoded, transform, device)
+        x = augment(images, params)
         for i in range(0, len(y), batch_size):
             step = slice(i, i + batch_size)
             yield (x[step], y[step], parcel.keys[step]) if return_keys else (x[step], y[step])
@@ -377,7 +413,7 @@ def make_train_loader(shard_dir, *, batch_size: int, image_size: int, steps_per_
                             pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed))
 
     def batches() -> Iterator[tuple]:
-        on_device = _on_device(iter(source), ds.device_augment, device, batch_size, return_keys)
+        on_device = _on_device(iter(source), ds.device_augment, device, batch_size, return_keys, ds.transform)
         return _one_ahead_on_side_stream(on_device, device) if device.type == "cuda" else on_device
     return _Loader(batches, length, length * batch_size, in_flight=num_workers * (prefetch + 1) * ds.parcel)
 

@@ -13,6 +13,8 @@ import torch
 from torchvision.transforms import AutoAugmentPolicy, InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
+from .draft import MIN_SIZE as DRAFT_MIN_SIZE, decode_reduced, draft_scale, jpeg_size, open_jpeg
+
 AUGMENT_DEFAULTS: dict[str, Any] = {
     "mean": [0.5, 0.5, 0.5],
     "std": [0.5, 0.5, 0.5],
@@ -22,7 +24,9 @@ AUGMENT_DEFAULTS: dict[str, Any] = {
     "auto_augment": None,
     "random_erasing": 0.0,
     "interpolation": "bicubic",
+    "decode": "loader",
 }
+DECODES = ("loader", "device")  # augment.decode: where train JPEGs are decoded, cropped and flipped
 AUTOAUGMENT_CIFAR10 = "autoaugment-cifar10"  # torchvision's AutoAugment with its CIFAR-10 policy
 AUTO_AUGMENT_TRANSFORMS: dict[str, Callable[..., v2.Transform]] = {  # each choice: torchvision's (interpolation=)
     "randaugment": v2.RandAugment,
@@ -96,6 +100,11 @@ def resolve_augment(augment: Optional[dict], *, allow_dataset: bool = False) -> 
         raise ValueError(f"augment.auto_augment={cfg['auto_augment']!r}; valid: {list(AUTO_AUGMENTS)}")
     if not isinstance(cfg["interpolation"], str) or cfg["interpolation"] not in INTERPOLATIONS:
         raise ValueError(f"augment.interpolation={cfg['interpolation']!r}; valid: {sorted(INTERPOLATIONS)}")
+    if not isinstance(cfg["decode"], str) or cfg["decode"] not in DECODES:
+        raise ValueError(f"augment.decode={cfg['decode']!r}; valid: {list(DECODES)}")
+    if cfg["decode"] == "device" and cfg["auto_augment"] is not None:
+        raise ValueError(f"augment.decode=device and auto_augment={cfg['auto_augment']!r}: auto-augment runs in "
+                         f"the loader workers, on decoded pixels; set auto_augment to null or decode to loader")
     return cfg
 
 
@@ -196,6 +205,15 @@ def crop_params(rng: random.Random, height: int, width: int, scale: Sequence[flo
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def centre_box(height: int, width: int, size: int) -> tuple[float, float, float, float]:
+    """The region (left, top, right, bottom) of a ``height`` x ``width`` image that ``F.resize(size)`` (short
+    side to ``size``, the long side truncated as it does) then ``F.center_crop(size)`` keep."""
+    new_h, new_w = (int(size * height / width), size) if width <= height else (size, int(size * width / height))
+    top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+    fy, fx = height / new_h, width / new_w
+    return left * fx, top * fy, (left + size) * fx, (top + size) * fy
+
+
 class SampleTransform:
     """Per-sample CPU part on a uint8 CHW tensor: crop/resize (random-resized, or resized then a random
     crop of the zero-padded image, CIFAR's classic) and flip; stays uint8.
@@ -203,9 +221,9 @@ class SampleTransform:
     Calls torchvision's image kernels directly: at 32 px the v2 module dispatch costs more than
     the pixel work. Auto-augment, normalisation and erasing run batched on the training device
     (:class:`.device_augment.DeviceAugment`), eval normalisation once per batch (:class:`BatchFinish`).
-    Crop and flip draw from a ``random.Random`` seeded per image; :meth:`seeded` takes the seeds,
-    so the result does not depend on the process or the batch order. Called directly, the seed
-    comes from torch's global RNG.
+    Crop and flip draw from a ``random.Random`` seeded per image; :meth:`apply` and
+    :meth:`apply_encoded` take the seed, so the result does not depend on the process or the batch
+    order. Called directly, the seed comes from torch's global RNG.
     """
 
     def __init__(self, image_size: int, augment: Optional[dict], train: bool):
@@ -218,20 +236,41 @@ class SampleTransform:
         self.random = self.rrc is not None or self.pad is not None or self.hflip > 0
         self.direct = _direct_resize_matches(self.interp)
 
-    def seeded(self, images: Sequence[torch.Tensor], seeds: Sequence[int]) -> list[torch.Tensor]:
-        """``[self(img)]`` with image k's randomness drawn from ``seeds[k]``."""
-        if len(images) != len(seeds):
-            raise ValueError(f"{len(seeds)} seeds for {len(images)} images")
-        return [self.apply(img, seed) for img, seed in zip(images, seeds)]
-
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
         return self.apply(img, int(torch.randint(1 << 62, ())) if self.random else 0)
 
     def resize(self, img: torch.Tensor) -> torch.Tensor:
         """uint8 ``[3, h, w]`` -> ``[3, size, size]``, torchvision's pixels (antialiased)."""
-        if self.direct and img.dtype == torch.uint8:
+        if self.direct and img.dtype == torch.uint8 and img.device.type == "cpu":
             return _interpolate(img, self.size, self.interp)
         return F.resize_image(img, [self.size, self.size], interpolation=self.interp, antialias=True)
+
+    def apply_encoded(self, data: bytes, seed: int) -> Optional[torch.Tensor]:
+        """:meth:`apply` on a JPEG's bytes, decoded at reduced size (:mod:`.draft`): the same crop region
+        and flip for the same seed, pixels within the DCT scaling's error of a full decode's. None where
+        no scale-down fits (the crop under 4 times the output, a padded crop, not a JPEG): decode
+        in full and call :meth:`apply`."""
+        size = None if self.pad is not None or self.size < DRAFT_MIN_SIZE else jpeg_size(data)
+        if size is None or draft_scale(*size, self.size) == 1:  # no crop is larger than the image
+            return None
+        width, height = size
+        rng = random.Random(seed)
+        if self.rrc is not None:
+            i, j, h, w = crop_params(rng, height, width, self.rrc)
+            box: tuple[float, float, float, float] = (j, i, j + w, i + h)
+        else:
+            box = centre_box(height, width, self.size)
+            h, w = box[3] - box[1], box[2] - box[0]
+        scale = draft_scale(h, w, self.size)
+        img = open_jpeg(data) if scale > 1 else None
+        if img is None or img.size != size:
+            return None
+        reduced, f = decode_reduced(img, scale)
+        left, top, right, bottom = (round(v * f) for v in box)
+        out = self.resize(reduced[:, top:bottom, left:right])
+        if self.hflip and rng.random() < self.hflip:
+            out = out.flip(-1)
+        return out
 
     def apply(self, img: torch.Tensor, seed: int) -> torch.Tensor:
         rng = random.Random(seed)
