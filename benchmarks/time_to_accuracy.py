@@ -138,7 +138,7 @@ def train_stage(stage: str, params: Params, shard_dir: Path, info: dict, model: 
     recipe, spec = plan_stage(stage, params, getattr(params, stage), model, shard_dir, info)
     loop = spec.loop
     hooks = () if deadline is None else (deadline_hook(deadline, loop.steps_per_epoch, loop.checkpoint_every_epochs),)
-    result = fit(spec, params, model, step_hooks=hooks)
+    result = fit(spec, params.ray, model, step_hooks=hooks)
     model_dir = save_model(result.model, Path(params.ray.storage_path) / spec.run_name / "model",
                            extra=model_meta(stage, recipe, info, spec.run_name))
     report = {"run": spec.run_name, **stage_summary(result), **pace(result.history), "history": result.history}
@@ -264,7 +264,7 @@ def check_stages(params: Params, shards: dict[str, Path]) -> None:
                                   f"{'keeps its weights by' if split == 'val' else 'is tested on'} it: shard with "
                                   f"a {split}_fraction above 0")
     for stage, shard_dir in shards.items():
-        check_stage(stage, params, getattr(params, stage), shard_dir, infos[stage])
+        check_stage(stage, params.ray, getattr(params, stage), shard_dir, infos[stage])
     if "finetune" in shards:
         check_finetune_init(params)
 

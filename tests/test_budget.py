@@ -100,7 +100,7 @@ def test_a_warm_up_that_rounds_past_its_whole_epochs_is_refused_before_the_run(d
             "pretrain.global_batch_size": batch, "ray.num_workers": 1})
         model = VisionTransformer(ViTConfig(image_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2,
                                             num_classes=10))
-        return prepare_run("pretrain", params, params.pretrain, model, str(digits_dir))
+        return prepare_run("pretrain", params.ray, params.pretrain, model, str(digits_dir))
 
     with pytest.raises(ConfigError) as err:
         prepare(3)
@@ -124,7 +124,7 @@ def test_a_warm_up_as_long_as_the_run_is_said(digits_dir, capsys):
             "pretrain.warmup_epochs": warmup, "pretrain.epochs": epochs, "ray.num_workers": 1})
         model = VisionTransformer(ViTConfig(image_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2,
                                             num_classes=10))
-        prepare_run("pretrain", params, params.pretrain, model, str(digits_dir))
+        prepare_run("pretrain", params.ray, params.pretrain, model, str(digits_dir))
         return capsys.readouterr().err.splitlines()
 
     assert warnings(2, 2) == ["[pretrain] warning: pretrain.warmup_epochs=2 covers all of pretrain.epochs=2: the "

@@ -22,7 +22,7 @@ import torch
 
 from pipeline import storage
 from pipeline.cluster import check_local_capacity, worker_resources
-from pipeline.config import ConfigError, Params, RayConfig, TrainConfig
+from pipeline.config import ConfigError, RayConfig, TrainConfig
 from pipeline.data import check_shard_files, read_dataset_info
 from pipeline.model import VisionTransformer
 from pipeline.train.budget import plan_epoch, unplanned
@@ -141,13 +141,13 @@ def warmup_note(stage: str, recipe: TrainConfig, warmup_steps: int, steps_per_ep
             f"learning rate rises to the end and never decays; lower {stage}.warmup_epochs for a real run")
 
 
-def check_stage(stage: str, params: Params, recipe: TrainConfig, shard_dir: str | Path,
+def check_stage(stage: str, ray_cfg: RayConfig, recipe: TrainConfig, shard_dir: str | Path,
                 info: dict) -> tuple[int, int]:
     """What a stage's run needs of its shards and of this machine, none of which needs a model: its shard
     files, the local runner's cores, one full batch, a time budget's plan. Returns the steps of an epoch
     and of the warm-up. (A command that runs two stages checks the second one's before the first trains.)"""
     check_shard_files(shard_dir, info)
-    check_local_capacity(params.ray)
+    check_local_capacity(ray_cfg)
     check_batch_fits(stage, recipe.global_batch_size, info["counts"]["train"], shard_dir)
     steps = info["counts"]["train"] // recipe.global_batch_size
     warmup_steps = int(round(recipe.warmup_epochs * steps))
@@ -155,13 +155,13 @@ def check_stage(stage: str, params: Params, recipe: TrainConfig, shard_dir: str 
     return steps, warmup_steps
 
 
-def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
+def prepare_run(stage: str, ray_cfg: RayConfig, recipe: TrainConfig, model: VisionTransformer,
                 shard_dir: str, logged: dict[str, str] | None = None) -> RunSpec:
     """Everything the ranks need, and the run name that identifies this exact run (and the params
     ``logged`` for it, which its tracking run cannot change once they are recorded)."""
     info = read_dataset_info(shard_dir)
-    steps, warmup_steps = check_stage(stage, params, recipe, shard_dir, info)
-    world = params.ray.world_size
+    steps, warmup_steps = check_stage(stage, ray_cfg, recipe, shard_dir, info)
+    world = ray_cfg.world_size
     note = warmup_note(stage, recipe, warmup_steps, steps)
     if note:
         print(f"[{stage}] warning: {note}", file=sys.stderr, flush=True)
@@ -169,9 +169,9 @@ def prepare_run(stage: str, params: Params, recipe: TrainConfig, model: VisionTr
     loop = LoopConfig.from_train(
         recipe, stage=stage, model=model.config.to_dict(), shard_dir=storage.worker_path(shard_dir),
         steps_per_epoch=steps, per_worker_batch=worker_batch(recipe.global_batch_size, world),
-        warmup_steps=warmup_steps, loader_workers=loader_workers(params.ray), verbose=params.ray.verbose)
+        warmup_steps=warmup_steps, loader_workers=loader_workers(ray_cfg), verbose=ray_cfg.verbose)
     # the backend is not part of the identity: a local run and a 1-worker Ray run continue each other
-    identity = {**loop.identity(), "world": world, "use_gpu": params.ray.use_gpu, "data": info.get("shards"),
+    identity = {**loop.identity(), "world": world, "use_gpu": ray_cfg.use_gpu, "data": info.get("shards"),
                 "init": _state_digest(state), "code": code_digest(), "logged": logged or {}}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     return RunSpec(stage=stage, run_name=f"{stage}-{digest[:12]}", loop=loop, init_state=state)
@@ -192,30 +192,30 @@ def step_hooks_from_env() -> tuple[str, ...]:
     return names
 
 
-def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str | None = None,
+def fit(spec: RunSpec, ray_cfg: RayConfig, model: VisionTransformer, *, run_id: str | None = None,
         step_hooks: tuple[str, ...] = ()) -> TrainResult:
     """Run (or continue) the planned run on the configured backend; load its final weights into ``model``.
     ``step_hooks`` (``module:function[=argument]``) are called with ``$VIT_STEP_HOOKS``'s."""
     from pipeline.tracking import configured_uri
 
-    storage.check_ray_storage(params.ray.storage_path)
-    storage_path, storage_fs = storage.ray_storage(params.ray.storage_path)
+    storage.check_ray_storage(ray_cfg.storage_path)
+    storage_path, storage_fs = storage.ray_storage(ray_cfg.storage_path)
     remote = storage_fs is not None or storage.is_url(storage_path)
     run_dir = None if remote else str(Path(storage_path) / spec.run_name)
     if run_dir and (resume_from := latest_checkpoint(run_dir)):
         load_state(resume_from, mmap=True)  # one the ranks would refuse, refused once here and not on each retry
     run = LoopRun(init_state=spec.init_state, run_id=run_id, tracking_uri=configured_uri(), run_dir=run_dir,
                   step_hooks=step_hooks_from_env() + tuple(step_hooks))
-    loop, world = spec.loop, params.ray.world_size
-    print(f"[{spec.stage}] {'in-process' if params.ray.backend == 'local' else 'Ray Train'}: {world} worker(s), "
+    loop, world = spec.loop, ray_cfg.world_size
+    print(f"[{spec.stage}] {'in-process' if ray_cfg.backend == 'local' else 'Ray Train'}: {world} worker(s), "
           f"global batch {loop.per_worker_batch * world} ({loop.per_worker_batch}/worker), "
           f"{loop.steps_per_epoch} steps/epoch x {_length(loop)}, {loop.loader_workers} loader worker(s) "
-          f"per rank{_graph_note(loop, params.ray)}, run {spec.run_name}", flush=True)
+          f"per rank{_graph_note(loop, ray_cfg)}, run {spec.run_name}", flush=True)
     try:
-        if params.ray.backend == "local":
-            final, checkpoint = _fit_local(spec, run, params)
+        if ray_cfg.backend == "local":
+            final, checkpoint = _fit_local(spec, run, ray_cfg)
         else:
-            final, checkpoint = _fit_ray(spec, run, params, storage_path, storage_fs)
+            final, checkpoint = _fit_ray(spec, run, ray_cfg, storage_path, storage_fs)
     except BaseException:  # failed or interrupted: a rank killed while writing a checkpoint left it half-written
         if run_dir:
             remove_staging(run_dir)
@@ -224,7 +224,7 @@ def fit(spec: RunSpec, params: Params, model: VisionTransformer, *, run_id: str 
         if not run_dir:
             shutil.rmtree(node_staging_dir(spec.run_name), ignore_errors=True)
     if run_dir:
-        prune_checkpoints(run_dir, params.ray.checkpoints_to_keep)
+        prune_checkpoints(run_dir, ray_cfg.checkpoints_to_keep)
     check_finished(spec, final)
     selection = Selection()
     selection.load_state_dict(final["selection"])
@@ -261,25 +261,25 @@ def check_finished(spec: RunSpec, final: dict | None) -> None:
         f"than fp16, then run again (changed params start a new run)")
 
 
-def _fit_local(spec: RunSpec, run: LoopRun, params: Params) -> tuple[dict | None, str | None]:
+def _fit_local(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig) -> tuple[dict | None, str | None]:
     """The final checkpoint's state and where it is (None, None without one)."""
     from pipeline.train.context import LocalContext
     from pipeline.train.worker import run_loop
 
-    ctx = LocalContext(run.run_dir, use_gpu=params.ray.use_gpu, keep=params.ray.checkpoints_to_keep,
+    ctx = LocalContext(run.run_dir, use_gpu=ray_cfg.use_gpu, keep=ray_cfg.checkpoints_to_keep,
                        resume_from=latest_checkpoint(run.run_dir))
     run_loop(spec.loop, run, ctx)
     checkpoint = latest_checkpoint(run.run_dir)
     return (load_state(checkpoint), checkpoint) if checkpoint else (None, None)
 
 
-def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str,
+def _fit_ray(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: str,
              storage_fs) -> tuple[dict | None, str | None]:
     """The final checkpoint's state and where it is (None, None without one)."""
     from pipeline.cluster import ray_cluster
 
-    with ray_cluster(params.ray):
-        result = _ray_trainer(spec, run, params, storage_path, storage_fs).fit()
+    with ray_cluster(ray_cfg):
+        result = _ray_trainer(spec, run, ray_cfg, storage_path, storage_fs).fit()
     # a run that had already finished on disk (by the local runner, or just before Ray recorded its last
     # checkpoint) reports nothing this launch: its newest checkpoint is the one the ranks resumed from
     on_disk = latest_checkpoint(run.run_dir) if run.run_dir else None
@@ -291,7 +291,7 @@ def _fit_ray(spec: RunSpec, run: LoopRun, params: Params, storage_path: str,
         return load_state(d), str(result.checkpoint.path)
 
 
-def _ray_trainer(spec: RunSpec, run: LoopRun, params: Params, storage_path: str, storage_fs):
+def _ray_trainer(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: str, storage_fs):
     """A TorchTrainer running the loop on ``ray.num_workers`` ranks, checkpointing into ``storage_path``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
@@ -307,13 +307,13 @@ def _ray_trainer(spec: RunSpec, run: LoopRun, params: Params, storage_path: str,
     return StageTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": spec.loop, "run": dataclasses.replace(run, init_state=ray.put(run.init_state))},
-        scaling_config=ScalingConfig(num_workers=params.ray.num_workers, use_gpu=params.ray.use_gpu,
-                                     resources_per_worker=worker_resources(params.ray)),
+        scaling_config=ScalingConfig(num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.use_gpu,
+                                     resources_per_worker=worker_resources(ray_cfg)),
         run_config=RunConfig(
             name=spec.run_name, storage_path=storage_path, storage_filesystem=storage_fs,
-            checkpoint_config=CheckpointConfig(num_to_keep=params.ray.checkpoints_to_keep),
-            failure_config=FailureConfig(max_failures=params.ray.max_failures),
-            logging_config=LoggingConfig(log_level="INFO" if params.ray.verbose else "WARNING")),
+            checkpoint_config=CheckpointConfig(num_to_keep=ray_cfg.checkpoints_to_keep),
+            failure_config=FailureConfig(max_failures=ray_cfg.max_failures),
+            logging_config=LoggingConfig(log_level="INFO" if ray_cfg.verbose else "WARNING")),
     )
 
 

@@ -59,7 +59,7 @@ def plan_stage(stage: str, params: Params, recipe: TrainConfig, model: VisionTra
     that changes nothing computed (``finetune.init_source`` with ``init: null``) is still another run."""
     logged = stage_params(stage, params, run_params(stage, params, recipe, model, info))
     recipe = dataclasses.replace(recipe, augment=with_dataset_stats(recipe.augment, info))
-    return recipe, prepare_run(stage, params, recipe, model, str(shard_dir), logged=logged)
+    return recipe, prepare_run(stage, params.ray, recipe, model, str(shard_dir), logged=logged)
 
 
 def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: VisionTransformer,
@@ -77,7 +77,7 @@ def _train_and_save(stage: str, params: Params, recipe: TrainConfig, model: Visi
     with staged_outputs(model_dir, metrics_file, history_csv, curves_png) as out, \
             stage_run(stage, params, extra_params=extra,
                       tags=tags, resume_key=spec.run_name, system_metrics=True) as run:
-        result = fit(spec, params, model, run_id=run.info.run_id)
+        result = fit(spec, params.ray, model, run_id=run.info.run_id)
         summary = stage_summary(result)
         kept = result.selection.kept
         numbers = {k: v for k, v in selection_summary(result.selection).items()  # the loop logged wall_time_s
