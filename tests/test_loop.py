@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -404,6 +405,33 @@ def test_epoch_reports_the_time_spent_waiting_for_input(digits_dir, tmp_path, ca
     assert logged["input_wait_share"] == pytest.approx(epoch["input_wait_s"] / epoch["epoch_time_s"])
     assert logged["images_per_s"] == pytest.approx(epoch["images_per_s"])
     assert logged["mfu"] == pytest.approx(epoch["images_per_s"] * flops_per_image(cfg.model, 16) / 1e12)
+
+
+def test_profile_steps_saves_a_trace_as_the_runs_artifact(digits_dir, tmp_path, monkeypatch, capsys):
+    """``profile_steps: 2``: rank 0 records steps 4-5 of the launch (after WAIT_STEPS) with torch.profiler and
+    the trace, holding the steps' ops, becomes the MLflow run's artifact profile/trace.json; it does not
+    change the run's name (what it computes)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.train.context import LocalContext
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.profiling import WAIT_STEPS
+
+    monkeypatch.chdir(tmp_path)  # the experiment's artifacts: ./mlruns
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("profile")).info.run_id
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), profile_steps=2), shard_dir=str(digits_dir),
+                              steps_per_epoch=WAIT_STEPS + 3)
+    assert cfg.identity() == dataclasses.replace(cfg, profile_steps=None).identity()
+    worker.run_loop(cfg, LoopRun(init_state=model.state_dict(), run_id=run_id, tracking_uri=uri),
+                    LocalContext(str(tmp_path / "run"), use_gpu=False, keep=1))
+    assert f"[pretrain] torch.profiler trace of steps {WAIT_STEPS + 1}-{WAIT_STEPS + 2}: the MLflow run's " \
+           "artifact profile/trace.json" in capsys.readouterr().out
+    trace = json.loads(Path(client.download_artifacts(run_id, "profile/trace.json", str(tmp_path))).read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::addmm" in names or "aten::mm" in names  # the steps' matmuls
 
 
 def test_analytic_flops_are_what_torch_counts_and_mfu_needs_a_known_peak(capsys):

@@ -33,6 +33,7 @@ from pipeline.train.flops import device_peak, flops_per_image
 from pipeline.train.graphs import graph_free
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.optim import accumulation, set_total_steps
+from pipeline.train.profiling import StepProfiler
 from pipeline.train.selection import Selection
 from pipeline.train.step import Stepper
 from pipeline.train.techniques import amp_dtype, autocast
@@ -163,6 +164,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
         return
     extra = {"config": cfg.model, "train_config": dataclasses.asdict(cfg)}
     batches, val_loader = _loaders(cfg, ctx, progress)
+    profiler = StepProfiler(cfg, run, progress.step) if cfg.profile_steps and ctx.rank == 0 else None
+    hooks = hooks + [profiler] if profiler else hooks
     pace = _Pace(progress.step)
     mfu = _mfu_rate(cfg, ctx)
     clock = pace.start  # wall_time_s counts from here: every epoch, evaluation and checkpoint but the last
@@ -208,6 +211,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
                     print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
                           f"{selection.best:.4f} for {cfg.early_stop_patience} evaluation(s)", flush=True)
                 break
+        if profiler:  # a run shorter than the recording: what it recorded
+            profiler.close(ctx)
 
 
 def _resume(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, objects: dict) -> Progress | None:
