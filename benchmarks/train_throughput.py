@@ -39,12 +39,11 @@ from pipeline.data import make_train_loader, read_dataset_info
 from pipeline.environment import cpu_name, device_name
 from pipeline.model import build_model
 from pipeline.recipes import load_recipe_params
+from pipeline.train.flops import flops_per_image as analytic_flops, peak_of
 from pipeline.train.loop_config import LoopConfig
 from pipeline.train.stage import plan_stage
 from pipeline.train.step import Stepper
 from pipeline.utils import positive_int
-
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}  # dense, per GPU
 
 
 def sync(device: torch.device) -> None:
@@ -315,8 +314,12 @@ def main() -> None:
     # a fresh eager step (a replayed graph dispatches no ops to count), without the recomputation of
     # grad_checkpointing, which MFU leaves out by definition
     uncompiled = twin(stepper, loop, compile=False, cuda_graph=False, grad_checkpointing=False)
+    counted = flops_per_image(uncompiled, *next(batches))
+    analytic = analytic_flops(loop.model, loop.image_size)  # what the stages log MFU by
+    print(f"FLOPs per image: counted {counted / 1e9:.4g} G, pipeline/train/flops.py {analytic / 1e9:.4g} G "
+          f"({analytic / counted - 1:+.1%})")
     figures = report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v},
-                     peak_memory, flops_per_image(uncompiled, *next(batches)))
+                     peak_memory, counted)
     if args.record:
         record_and_say("train_throughput", figures, command=command_line(__file__), case=args.recipe or args.params)
     if args.profile:
@@ -354,7 +357,7 @@ def report(args, params, loop: LoopConfig, device, median: dict[str, float], pea
     if device.type == "cuda":
         note = "   (the twins' steps included)" if len(median) > 3 else ""
         print(f"peak GPU memory    : {peak_memory / 2**30:9.2f} GiB{note}")
-        peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+        peak = peak_of(name)
         if peak:
             print(f"MFU (bf16 peak)    : {flops * fed / peak:9.1%} of {peak / 1e12:.0f} TFLOP/s "
                   f"({flops / 1e9:.2f} GFLOP per image, fwd + bwd)")

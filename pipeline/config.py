@@ -148,6 +148,7 @@ class TrainConfig:
     layer_decay: Optional[float] = None
     max_worker_batch: Optional[int] = None
     checkpoint_every_steps: Optional[int] = None
+    profile_steps: Optional[int] = None  # rank 0 records this many steps with torch.profiler (null: none)
     checkpoint_every_epochs: int = 1
     log_every_steps: int = 10
     compile: bool = False
@@ -472,7 +473,7 @@ def _check_training(stage: str, t: TrainConfig, ranks: int) -> None:
         v = getattr(t, k)
         if v is not None and not 0.0 < v <= 1.0:
             raise ConfigError(f"{stage}.{k}: {shown(v)} must be in (0, 1] or null")
-    for k in ("max_worker_batch", "checkpoint_every_steps", "log_every_steps"):
+    for k in ("max_worker_batch", "checkpoint_every_steps", "log_every_steps", "profile_steps"):
         if getattr(t, k) is not None:
             _positive(f"{stage}.{k}", getattr(t, k))
     try:

@@ -324,21 +324,24 @@ def test_worker_batch_and_schedule():
 
 
 @pytest.mark.slow
-def test_cifar10_recipe_expands_to_valid_overrides(tmp_path):
+@pytest.mark.parametrize("recipe, patch_size, image_size", [("configs/cifar10.yaml", 4, 32),
+                                                             ("configs/imagenet-vit-s16.yaml", 16, 224)])
+def test_recipe_expands_to_valid_overrides(tmp_path, recipe, patch_size, image_size):
     import shlex
 
     from pipeline.recipes import main, recipe_overrides
 
-    flat = recipe_overrides(str(ROOT / "configs/cifar10.yaml"), ["data.pretrain.root=/x y/cifar"])
-    assert flat["data.pretrain.root"] == "/x y/cifar" and flat["model.patch_size"] == 4
+    flat = recipe_overrides(str(ROOT / recipe), ["data.pretrain.root=/x y/cifar"])
+    assert flat["data.pretrain.root"] == "/x y/cifar" and flat["model.patch_size"] == patch_size
     assert flat["pretrain.augment"]["auto_augment"] == "randaugment"  # a dict param stays whole
     p = load_params(ROOT / "params.yaml", overrides=flat)
-    assert p.pretrain.mixup_alpha > 0 and p.pretrain.ema_decay and p.ray.use_gpu
-    proc = subprocess.run([sys.executable, "-m", "pipeline.recipes", str(ROOT / "configs/cifar10.yaml"),
+    assert p.pretrain.mixup_alpha > 0 and p.model.drop_path_rate == 0.1 and p.ray.use_gpu
+    assert p.pretrain.image_size == image_size and p.model.preset == "small"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.recipes", str(ROOT / recipe),
                            "--set", "data.pretrain.root=/x y/cifar"], cwd=ROOT, capture_output=True, text=True)
     args = shlex.split(proc.stdout)  # what xargs hands to `dvc exp run`
     assert proc.returncode == 0 and args[0] == "-S" and "data.pretrain.root='/x y/cifar'" in args
-    assert main([str(ROOT / "configs/cifar10.yaml"), "--set", "model.num_heads=5"]) == 2
+    assert main([str(ROOT / recipe), "--set", "model.num_heads=5"]) == 2
 
 
 @pytest.mark.slow
@@ -413,6 +416,17 @@ def test_params_with_bad_yaml_is_one_line(tmp_path):
     message = str(err.value)  # PyYAML's own message spans three lines
     assert message.startswith(f"{tmp_path / 'params.yaml'}: not valid YAML (expected <block end>")
     assert message.endswith("at line 3, column 2)") and "\n" not in message
+
+
+def test_imagenet_recipe_is_deit_s_schedule():
+    """configs/imagenet-vit-s16.yaml: DeiT-S/16's published schedule (lr 5e-4 per 512 images, 5 warm-up
+    epochs of 300, weight decay 0.05) at 224 px with 196 tokens, valid over params.yaml."""
+    from pipeline.recipes import recipe_overrides
+    p = load_params(ROOT / "params.yaml", overrides=recipe_overrides(str(ROOT / "configs/imagenet-vit-s16.yaml")))
+    t = p.pretrain
+    assert t.lr == pytest.approx(5e-4 * t.global_batch_size / 512) and (t.epochs, t.warmup_epochs) == (300, 5)
+    assert (t.weight_decay, t.label_smoothing, t.mixup_alpha, t.cutmix_alpha) == (0.05, 0.1, 0.8, 1.0)
+    assert (t.image_size // p.model.patch_size) ** 2 == 196 and p.data.pretrain.source == "imagefolder"
 
 
 def test_one_gpu_recipe_is_valid_and_runs_in_process():

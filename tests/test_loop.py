@@ -6,12 +6,15 @@ import dataclasses
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline.config import TrainConfig
 from pipeline.model import build_vit
+from pipeline.train import worker
+from pipeline.train.flops import flops_per_image
 from pipeline.train.loop_config import LoopConfig
 from pipeline.train.step import Stepper
 from tests.conftest import run_as_on_gpu_box
@@ -367,13 +370,16 @@ def sleep_step(step: int, ctx, seconds: str) -> None:
 
 
 @pytest.mark.slow
-def test_epoch_reports_the_time_spent_waiting_for_input(digits_dir, tmp_path, capsys):
+def test_epoch_reports_the_time_spent_waiting_for_input(digits_dir, tmp_path, capsys, monkeypatch):
     """``input_wait_s`` (timm's data_time): the seconds the loop waited for its batches, not the steps'
-    own time. A hook that sleeps 0.2 s before each of 3 steps makes the epoch long, not the wait."""
+    own time. A hook that sleeps 0.2 s before each of 3 steps makes the epoch long, not the wait. Its
+    share of the epoch, images/s and (on a device of a known peak) MFU go into the MLflow run."""
+    from mlflow.tracking import MlflowClient
+
     from pipeline.train.checkpoint import load_state
     from pipeline.train.context import LocalContext, list_checkpoints
     from pipeline.train.loop_config import LoopRun
-    from pipeline.train.worker import _Waited, run_loop
+    from pipeline.train.worker import _Waited
 
     def slow(n: int):
         for i in range(n):
@@ -384,12 +390,72 @@ def test_epoch_reports_the_time_spent_waiting_for_input(digits_dir, tmp_path, ca
 
     model = _model()
     cfg = dataclasses.replace(_cfg(model.config.to_dict()), shard_dir=str(digits_dir), steps_per_epoch=3)
-    run = LoopRun(init_state=model.state_dict(), step_hooks=("tests.test_loop:sleep_step=0.2",))
-    run_loop(cfg, run, LocalContext(str(tmp_path / "run"), use_gpu=False, keep=1))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("wait")).info.run_id
+    run = LoopRun(init_state=model.state_dict(), step_hooks=("tests.test_loop:sleep_step=0.2",), run_id=run_id,
+                  tracking_uri=uri)
+    monkeypatch.setattr(worker, "device_peak", lambda device: 1e12)  # as on a GPU of a 1 TFLOP/s bf16 peak
+    worker.run_loop(cfg, run, LocalContext(str(tmp_path / "run"), use_gpu=False, keep=1))
     (epoch,) = load_state(tmp_path / "run" / list_checkpoints(str(tmp_path / "run"))[0])["history"]
     assert epoch["epoch_time_s"] >= 0.6 and 0 < epoch["input_wait_s"] < epoch["epoch_time_s"] - 0.55
     share = re.search(r"\| input wait (\d+)% \|", capsys.readouterr().out)
-    assert share and abs(int(share[1]) - 100 * epoch["input_wait_s"] / epoch["epoch_time_s"]) <= 0.5 + 1e-9
+    assert share and abs(int(share[1]) - 100 * epoch["input_wait_share"]) <= 0.5 + 1e-9
+    logged = client.get_run(run_id).data.metrics  # each run's throughput and MFU, in MLflow
+    assert logged["input_wait_share"] == pytest.approx(epoch["input_wait_s"] / epoch["epoch_time_s"])
+    assert logged["images_per_s"] == pytest.approx(epoch["images_per_s"])
+    assert logged["mfu"] == pytest.approx(epoch["images_per_s"] * flops_per_image(cfg.model, 16) / 1e12)
+
+
+def test_profile_steps_saves_a_trace_as_the_runs_artifact(digits_dir, tmp_path, monkeypatch, capsys):
+    """``profile_steps: 2``: rank 0 records steps 4-5 of the launch (after WAIT_STEPS) with torch.profiler and
+    the trace, holding the steps' ops, becomes the MLflow run's artifact profile/trace.json; it does not
+    change the run's name (what it computes)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.train.context import LocalContext
+    from pipeline.train.loop_config import LoopRun
+    from pipeline.train.profiling import WAIT_STEPS
+
+    monkeypatch.chdir(tmp_path)  # the experiment's artifacts: ./mlruns
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("profile")).info.run_id
+    model = _model()
+    cfg = dataclasses.replace(_cfg(model.config.to_dict(), profile_steps=2), shard_dir=str(digits_dir),
+                              steps_per_epoch=WAIT_STEPS + 3)
+    assert cfg.identity() == dataclasses.replace(cfg, profile_steps=None).identity()
+    worker.run_loop(cfg, LoopRun(init_state=model.state_dict(), run_id=run_id, tracking_uri=uri),
+                    LocalContext(str(tmp_path / "run"), use_gpu=False, keep=1))
+    assert f"[pretrain] torch.profiler trace of steps {WAIT_STEPS + 1}-{WAIT_STEPS + 2}: the MLflow run's " \
+           "artifact profile/trace.json" in capsys.readouterr().out
+    trace = json.loads(Path(client.download_artifacts(run_id, "profile/trace.json", str(tmp_path))).read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::addmm" in names or "aten::mm" in names  # the steps' matmuls
+
+
+def test_analytic_flops_are_what_torch_counts_and_mfu_needs_a_known_peak(capsys):
+    """pipeline/train/flops.py's FLOPs per training image equal torch.utils.flop_counter's count of a step
+    (attention as the math kernel, which the counter sees on a CPU), for a [CLS] model (whose last block
+    computes one token) and a mean-pooled one; MFU only against a peak in the table, never a CPU's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pipeline.train.context import LocalContext
+    from pipeline.train.flops import device_peak, peak_of
+
+    for kw in (dict(depth=2), dict(depth=3, pool="mean", mlp_ratio=2.0, patch_size=8, image_size=32)):
+        model = build_vit("nano", **{**dict(patch_size=4, image_size=16, num_classes=10), **kw})
+        x = torch.randn(2, 3, model.config.image_size[0], model.config.image_size[1])
+        counter = FlopCounterMode(display=False)
+        with counter, sdpa_kernel(SDPBackend.MATH):
+            model(x).sum().backward()
+        assert flops_per_image(model.config.to_dict()) == pytest.approx(counter.get_total_flops() / 2, rel=0.01)
+    assert peak_of("NVIDIA H100 80GB HBM3") == 989e12 and peak_of("Tesla T4") is None
+    assert device_peak(torch.device("cpu")) is None
+    cfg = _cfg(_model().config.to_dict())
+    assert worker._mfu_rate(cfg, LocalContext("unused", use_gpu=False, keep=1)) is None
+    assert "[pretrain] MFU not logged: no bf16 peak known for" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from typing import Any, Optional
 # Fields that do not change what is computed: a run launched again with other values continues.
 # ``shard_dir`` is where the shards are, not what they hold (their sha256s are part of the run's name):
 # the same shards pulled to another scratch folder, or streamed from a bucket, continue the run.
-NOT_IDENTITY = ("verbose", "loader_workers", "cuda_graph", "shard_dir")
+NOT_IDENTITY = ("verbose", "loader_workers", "cuda_graph", "shard_dir", "profile_steps")
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class LoopConfig:
     checkpoint_every_steps: Optional[int]
     checkpoint_every_epochs: int
     log_every_steps: int
+    profile_steps: Optional[int]
 
     @classmethod
     def from_train(cls, train: Any, **derived: Any) -> "LoopConfig":

@@ -24,13 +24,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline.data import make_eval_loader, make_train_loader
+from pipeline.environment import device_name
 from pipeline.model import VisionTransformer, ViTConfig
 from pipeline.train.budget import plan_epoch, planned_epochs
 from pipeline.train.checkpoint import Progress, restore, save_and_report, unwrap
 from pipeline.train.context import TrainContext
+from pipeline.train.flops import device_peak, flops_per_image
 from pipeline.train.graphs import graph_free
 from pipeline.train.loop_config import LoopConfig, LoopRun
 from pipeline.train.optim import accumulation, set_total_steps
+from pipeline.train.profiling import StepProfiler
 from pipeline.train.selection import Selection
 from pipeline.train.step import Stepper
 from pipeline.train.techniques import amp_dtype, autocast
@@ -161,7 +164,10 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
         return
     extra = {"config": cfg.model, "train_config": dataclasses.asdict(cfg)}
     batches, val_loader = _loaders(cfg, ctx, progress)
+    profiler = StepProfiler(cfg, run, progress.step) if cfg.profile_steps and ctx.rank == 0 else None
+    hooks = hooks + [profiler] if profiler else hooks
     pace = _Pace(progress.step)
+    mfu = _mfu_rate(cfg, ctx)
     clock = pace.start  # wall_time_s counts from here: every epoch, evaluation and checkpoint but the last
     check_val_batch(unwrap(stepper.model), val_loader, amp=cfg.amp, device=ctx.device)
 
@@ -180,6 +186,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
             if totals is None:  # diverged, on every rank alike: the driver finds the run short of its end
                 return
             metrics = _epoch_metrics(stepper, totals, epoch, progress.step, time.time() - t0, ctx.world_size)
+            if mfu:
+                metrics["mfu"] = metrics["images_per_s"] * mfu
             last = epoch + 1 == _epochs(cfg, progress)
             if (epoch + 1) % cfg.eval_every == 0 or last:
                 metrics.update(_evaluate(cfg, ctx, stepper, val_loader))
@@ -203,6 +211,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
                     print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
                           f"{selection.best:.4f} for {cfg.early_stop_patience} evaluation(s)", flush=True)
                 break
+        if profiler:  # a run shorter than the recording: what it recorded
+            profiler.close(ctx)
 
 
 def _resume(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, objects: dict) -> Progress | None:
@@ -221,6 +231,18 @@ def _resume(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, objects: dict)
         print(f"[{cfg.stage}] {state}: epoch {progress.epoch}, batch {progress.batch_in_epoch}, "
               f"step {progress.step}", flush=True)
     return None if finished else progress
+
+
+def _mfu_rate(cfg: LoopConfig, ctx: TrainContext) -> float | None:
+    """MFU per global image/s: the model's training FLOPs per image over the ranks' summed bf16 peak; None
+    on a device without a known peak (rank 0 says so once)."""
+    peak = device_peak(ctx.device)
+    flops = flops_per_image(cfg.model, cfg.image_size)
+    if ctx.rank == 0:
+        state = f"logged against {peak / 1e12:.0f} TFLOP/s bf16 per rank" if peak else \
+            f"not logged: no bf16 peak known for {device_name(ctx.device)} (pipeline/train/flops.py)"
+        print(f"[{cfg.stage}] MFU {state}; {flops / 1e9:.3g} GFLOP per image (forward + backward)", flush=True)
+    return flops / (peak * ctx.world_size) if peak else None
 
 
 def _epochs(cfg: LoopConfig, progress: Progress) -> int:
@@ -384,7 +406,8 @@ def _epoch_metrics(stepper: Stepper, totals: list, epoch: int, step: int, elapse
     loss_sum, correct, seen, waited, timed = totals
     return {"epoch": epoch + 1, "step": step, "train_loss": loss_sum / max(seen, 1),
             "train_top1": correct / max(seen, 1), "lr": stepper.lr(),
-            "images_per_s": timed / max(elapsed, 1e-9), "epoch_time_s": elapsed, "input_wait_s": waited / ranks}
+            "images_per_s": timed / max(elapsed, 1e-9), "epoch_time_s": elapsed, "input_wait_s": waited / ranks,
+            "input_wait_share": waited / ranks / max(elapsed, 1e-9)}
 
 
 def _evaluate(cfg: LoopConfig, ctx: TrainContext, stepper: Stepper, val_loader) -> dict:
@@ -420,7 +443,7 @@ def _print_within(cfg: LoopConfig, progress: Progress, loss: float, images_per_s
 
 def _print_epoch(cfg: LoopConfig, metrics: dict, epochs: int, eta: float) -> None:
     val = "".join(f" {k} {metrics[k]:.4f}" for k in ("val_loss", "val_top1", "val_top1_ema") if k in metrics)
-    wait = metrics["input_wait_s"] / max(metrics["epoch_time_s"], 1e-9)
+    wait = metrics["input_wait_share"]
     print(f"[{cfg.stage}] epoch {metrics['epoch']}/{epochs} step {metrics['step']} "
           f"loss {metrics['train_loss']:.4f} top1 {metrics['train_top1']:.4f}{val} | "
           f"{metrics['images_per_s']:.0f} img/s | input wait {wait:.0%} | "
