@@ -72,14 +72,26 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
     return shlex.join(["python", str(shown), *map(str, sys.argv[1:] if argv is None else argv)])
 
 
+def flat_figures(figures: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: a record's figures are one level, each a value the renderer shows."""
+    flat = {}
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            flat.update(flat_figures(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def append_record(benchmark: str, figures: dict, *, command: str, case: str | None = None) -> Path:
-    """Append one record of ``figures`` to ``<results dir>/<benchmark>.jsonl``, in one write; returns the file."""
+    """Append one record of ``figures`` (nested ones flattened: :func:`flat_figures`) to
+    ``<results dir>/<benchmark>.jsonl``, in one write; returns the file."""
     commit, dirty = code_version()
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit, "dirty": dirty, "machine": machine(), "command": command}
     if case is not None:
         record["case"] = case
-    record["figures"] = figures
+    record["figures"] = flat_figures(figures)
     out = results_dir() / f"{benchmark}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as f:
