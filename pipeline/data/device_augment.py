@@ -8,7 +8,7 @@ clamping), applied per sample: each sample's result depends on its own seed only
 around it, and the ops give the same pixels on a CPU and a GPU (tests). Each op runs on the samples
 that drew it only, grouped from the draws, so a batch does one op's work per sample and slot.
 
-Why the auto-augment runs on the CPU (measured on one H100 with 16 cores, 2026-11-26): on the GPU
+Why the auto-augment runs on the CPU (measured on one H100 with 16 cores): on the GPU
 its many small launches per batch (38 ``index_select`` calls alone, profiled) cost ~12 ms of host
 time whatever the batch size, more than a whole compiled step at batch 128, and the loop fed
 6,400-6,700 img/s against 16,000-17,000 for the CUDA-graphed model alone. On one CPU core the
