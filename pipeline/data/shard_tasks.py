@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import webdataset as wds
 
-from pipeline.utils import MANIFEST
+from pipeline.utils import MANIFEST, atomic_write_json
 
 from . import record_encode
 from .pixels import BadImage
@@ -51,12 +51,6 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _write_json(path: Path, obj) -> None:
-    part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(obj))
-    os.replace(part, path)
-
-
 def encode_chunk(records: list, spool: str, max_side, encoding: str) -> dict:
     """Encode ``records`` into ``spool`` (their bytes back to back); return, and write beside it as JSON,
     each record's ``[ext, size]`` (``[None, error]`` if undecodable), the train records' pixel histogram,
@@ -77,7 +71,7 @@ def encode_chunk(records: list, spool: str, max_side, encoding: str) -> dict:
     os.replace(part, spool)
     meta = {"entries": entries, "hist": hist.tolist(), "peak_rss_mb": _peak_rss_mb(), "pid": os.getpid(),
             "cpu_s": time.thread_time() - cpu0}
-    _write_json(Path(spool + ".json"), meta)
+    atomic_write_json(Path(spool + ".json"), meta)
     return meta
 
 
@@ -261,7 +255,7 @@ def prepare_staging(tmp: Path, run: dict) -> Path:
         for entry in list(tmp.iterdir()) if tmp.exists() else ():
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         work.mkdir(parents=True)
-        _write_json(work / RUN, run)
+        atomic_write_json(work / RUN, run)
     return work
 
 
@@ -357,11 +351,8 @@ def write_all(tmp: Path, listing: SourceListing, *, maxcount, maxsize, max_side,
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _finished_chunk(spool: str) -> dict | None:
