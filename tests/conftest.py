@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -189,6 +190,40 @@ def run_as_on_gpu_box(script: str, *args: object, timeout: float = 300) -> subpr
                "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
     return subprocess.run([sys.executable, "-c", blocked, script, *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
+
+
+# Runs each argv of a JSON list through the script's main() in this one process (a Python and torch start-up
+# each is most of a bad-input case's time), its file descriptors 1 and 2 caught in files per case.
+_CASES_RUNNER = """
+import json, os, runpy, sys, tempfile
+for m in json.loads(sys.argv[1]): sys.modules[m] = None
+main = runpy.run_path(sys.argv[2], run_name="gpu_box_cases")["main"]
+results = []
+for argv in json.loads(sys.argv[3]):
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        results.append([code] + [(f.seek(0), f.read().decode())[1] for f in (out, err)])
+print(json.dumps(results))
+"""
+
+
+def run_cases_as_on_gpu_box(script: str, *cases: list[object], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """:func:`run_as_on_gpu_box` for many argument lists at once: one process calls the script's ``main(argv)``
+    for each in turn. Only for cases that end in ``main``'s return (its bad-input checks)."""
+    argvs = [[str(a) for a in case] for case in cases]
+    proc = subprocess.run([sys.executable, "-c", _CASES_RUNNER, json.dumps(gpu_box_blocked_imports()), script,
+                           json.dumps(argvs)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [subprocess.CompletedProcess([script, *argv], code, out, err)
+            for argv, (code, out, err) in zip(argvs, json.loads(proc.stdout.splitlines()[-1]))]
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from pipeline.inference import predict_split
 from pipeline.model import load_model
 from pipeline.recipes import recipe_overrides
 from pipeline.train.checkpoint import load_state
-from tests.conftest import ROOT, run_as_on_gpu_box
+from tests.conftest import ROOT, run_as_on_gpu_box, run_cases_as_on_gpu_box
 
 SCRIPT = "benchmarks/time_to_accuracy.py"
 TINY = ("--set", "model.depth=1", "--set", "pretrain.epochs=2", "--set", "finetune.epochs=1",
@@ -88,57 +88,51 @@ def test_budget_stop_resume_and_no_retraining(digits_dir, tmp_path):
 
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(digits_dir, tmp_path):
-    missing = run_as_on_gpu_box(SCRIPT, "--shards", tmp_path / "nope", "--workdir", tmp_path / "work")
-    unknown = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                                "--set", "pretrain.nope=1")
-    no_gpu = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                               "--set", "ray.use_gpu=true")  # this machine has no CUDA device
     recipe = tmp_path / "bad-recipe.yaml"
     recipe.write_text("pretrain:\n  augment: {auto_augment: autoaugment}\n")
-    bad_value = run_as_on_gpu_box(SCRIPT, "--recipe", recipe, "--shards", digits_dir, "--workdir", tmp_path / "work")
     (tmp_path / "damaged").mkdir()
     (tmp_path / "damaged/dataset.json").write_text("{")
-    damaged = run_as_on_gpu_box(SCRIPT, "--shards", tmp_path / "damaged", "--workdir", tmp_path / "work")
     untested = tmp_path / "no-test"  # shards without a test split: the command had nothing to score, after training
     info = json.loads((digits_dir / "dataset.json").read_text())
     info["counts"]["test"] = 0
     untested.mkdir()
     (untested / "dataset.json").write_text(json.dumps(info))
-    no_test = run_as_on_gpu_box(SCRIPT, "--shards", untested, "--workdir", tmp_path / "work")
     (tmp_path / "results").mkdir()
-    out_folder = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                                   "--out", tmp_path / "results")  # the report was lost after the training
-    no_budget = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                                  "--max-minutes", "nan")  # trained on: no deadline was ever passed
-    # silently overridden or ignored before: the command's own ray.storage_path (--workdir), fine-tune shards
-    # for a pretrain alone
-    storage = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                                "--set", f"ray.storage_path={tmp_path / 'elsewhere'}")
-    unused = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work", "--stages", "pretrain",
-                               "--finetune-shards", digits_dir)
-    # the fine-tune's own checks, found after the pretrain had trained (--stages all, the default)
-    ft_batch = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                                 "--set", "finetune.global_batch_size=100000")
-    ft_init = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                                "--set", f"finetune.init={tmp_path / 'nope.safetensors'}")
-    for proc, names in ((missing, f"{tmp_path / 'nope'}/dataset.json"), (unknown, "pretrain.nope"),
-                        (damaged, "dataset.json: not valid JSON"), (no_test, f"{untested} holds no test split"),
-                        (out_folder, f"--out {tmp_path / 'results'}: is a folder"),
-                        (no_budget, "--max-minutes nan: give the minutes this command may train"),
-                        (ft_batch, "finetune.global_batch_size: 100000 is larger than the train split"),
-                        (storage, f"--set ray.storage_path={tmp_path / 'elsewhere'}: this command sets "
-                                  f"ray.storage_path itself (to {tmp_path / 'work'})"),
-                        (unused, "--finetune-shards: --stages pretrain trains no fine-tune"),
-                        (ft_init, f"finetune.init: {tmp_path / 'nope.safetensors'} does not exist"),
-                        (no_gpu, "ray.use_gpu: true"),
-                        (bad_value, "pretrain.augment.auto_augment='autoaugment'; valid: ")):
-        assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
-        assert proc.stderr.startswith("error: ") and names in proc.stderr and proc.stderr.count("\n") == 1
+    work = ("--workdir", tmp_path / "work")
+    cases = {  # argv -> what its one line names
+        (f"{tmp_path / 'nope'}/dataset.json"): ("--shards", tmp_path / "nope", *work),
+        "pretrain.nope": ("--shards", digits_dir, *work, "--set", "pretrain.nope=1"),
+        "dataset.json: not valid JSON": ("--shards", tmp_path / "damaged", *work),
+        f"{untested} holds no test split": ("--shards", untested, *work),
+        # the report would be lost after the training
+        f"--out {tmp_path / 'results'}: is a folder": ("--shards", digits_dir, *work, "--out", tmp_path / "results"),
+        # trained on: no deadline was ever passed
+        "--max-minutes nan: give the minutes this command may train": ("--shards", digits_dir, *work,
+                                                                       "--max-minutes", "nan"),
+        # the fine-tune's own checks, found after the pretrain had trained (--stages all, the default)
+        "finetune.global_batch_size: 100000 is larger than the train split": (
+            "--shards", digits_dir, *work, "--set", "finetune.global_batch_size=100000"),
+        # silently overridden or ignored before: the command's own ray.storage_path (--workdir), fine-tune
+        # shards for a pretrain alone
+        f"--set ray.storage_path={tmp_path / 'elsewhere'}: this command sets ray.storage_path itself "
+        f"(to {tmp_path / 'work'})": ("--shards", digits_dir, *work, "--set", f"ray.storage_path={tmp_path / 'elsewhere'}"),
+        "--finetune-shards: --stages pretrain trains no fine-tune": ("--shards", digits_dir, *work, "--stages",
+                                                                     "pretrain", "--finetune-shards", digits_dir),
+        f"finetune.init: {tmp_path / 'nope.safetensors'} does not exist": (
+            "--shards", digits_dir, *work, "--set", f"finetune.init={tmp_path / 'nope.safetensors'}"),
+        "ray.use_gpu: true": ("--shards", digits_dir, *work, "--set", "ray.use_gpu=true"),  # this machine: no CUDA
+        "pretrain.augment.auto_augment='autoaugment'; valid: ": ("--recipe", recipe, "--shards", digits_dir, *work),
+        # a recipe that diverges: the local runner stops at the first non-finite step, the driver says so
+        "diverged": ("--shards", digits_dir, *work, "--set", "pretrain.lr=10000", "--set", "pretrain.warmup_epochs=0",
+                     "--set", "model.depth=1"),
+    }
+    procs = dict(zip(cases, run_cases_as_on_gpu_box(SCRIPT, *cases.values())))
+    diverged = procs.pop("diverged")
+    for names, proc in procs.items():
+        assert proc.returncode == 2 and proc.stdout == "", (names, proc.stderr[-3000:])
+        assert proc.stderr.startswith("error: ") and names in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    bad_value = procs["pretrain.augment.auto_augment='autoaugment'; valid: "]
     assert bad_value.stderr.startswith(f"error: {recipe}: ")  # the recipe named, not only params.yaml
-    # a recipe that diverges: the local runner stops at the first non-finite step, the driver says so
-    diverged = run_as_on_gpu_box(SCRIPT, "--shards", digits_dir, "--workdir", tmp_path / "work",
-                                 "--set", "pretrain.lr=10000", "--set", "pretrain.warmup_epochs=0",
-                                 "--set", "model.depth=1")
     assert diverged.returncode == 2 and diverged.stderr.count("\n") == 1, diverged.stderr[-3000:]
     assert re.search(r"^error: pretrain run pretrain-\w+ diverged (before its first|after its last) checkpoint",
                      diverged.stderr)
