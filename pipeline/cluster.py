@@ -23,11 +23,10 @@ WAIT_REPORT_S = 30  # how often a wait for cluster resources says so
 # on one H100) waited ~0.4 s per report. Ray passes the variable on to its controller and ranks.
 REPORT_POLL_VAR, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
 RAY_CLI_WORKER_PORTS = (10002, 19999)  # what `ray start` gives its workers (a head on this machine)
-# Ray Train's controller logs these with a 20-line traceback whenever its 5 s call to the autoscaling
-# coordinator times out, which a busy machine makes happen; Ray's own words: "safe to ignore" when
-# transient. A Ray instance of the stage's own has no autoscaler to tell, so its processes drop them.
-COORDINATOR_LOGGER = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
-COORDINATOR_TIMEOUTS = ("Failed to send resource request for train-", "Failed to cancel resource request for train-")
+# Ray Train's controller tells an autoscaling coordinator (a detached actor it starts) what the run needs,
+# and waits up to 5 s for each answer: a busy machine timed out there, a 20-line traceback each time. A Ray
+# instance of the stage's own has no autoscaler to tell, so its processes send nothing (:func:`no_autoscaler`).
+COORDINATOR_CLIENT = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
 # Ray gives a node this machine's network address, and then its processes (GCS, raylet, workers, agents)
 # listen on every interface. With this variable off, Ray's setting on macOS and Windows, a node takes
 # 127.0.0.1 and they all listen there only. Ray reads it as it is imported, into ENABLE_RAY_CLUSTER.
@@ -105,8 +104,7 @@ def _start_local(ray_cfg: RayConfig, kwargs: dict, dashboard: bool) -> None:
         port = free_loopback_port()
         kwargs["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
-    if not ray_cfg.verbose:
-        kwargs["runtime_env"]["worker_process_setup_hook"] = drop_coordinator_timeouts
+    kwargs["runtime_env"]["worker_process_setup_hook"] = no_autoscaler
     before = _descendants()
     with _loopback_only():
         ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, **kwargs)
@@ -139,15 +137,14 @@ def _loopback_only() -> Iterator[None]:
             os.environ[LOOPBACK_VAR] = before[0]
 
 
-class _CoordinatorTimeouts(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(COORDINATOR_TIMEOUTS)
+def no_autoscaler() -> None:
+    """Run by Ray in each process of a local instance as it starts (``worker_process_setup_hook``): Ray
+    Train's controller sends no resource requests (:data:`COORDINATOR_CLIENT`), so it neither starts the
+    coordinator's actor nor waits on it; on a busy 2-core machine that was up to 5 s of every run's start."""
+    import importlib
 
-
-def drop_coordinator_timeouts() -> None:
-    """Run by Ray in each process of a local instance as it starts (``worker_process_setup_hook``): the
-    controller's autoscaling-coordinator timeouts (:data:`COORDINATOR_TIMEOUTS`) are not logged."""
-    logging.getLogger(COORDINATOR_LOGGER).addFilter(_CoordinatorTimeouts())
+    client = importlib.import_module(COORDINATOR_CLIENT).TrainAutoscalingCoordinatorClient
+    client.send_resource_request = client.cancel_resource_request = lambda *args, **kwargs: None
 
 
 def free_loopback_port() -> int:

@@ -18,8 +18,6 @@ from typing import Iterator
 
 import pytest
 
-from pipeline.cluster import COORDINATOR_TIMEOUTS
-
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 # Variables that would point a child at the developer's own servers / params instead of the test's.
@@ -71,8 +69,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 # Ray Train's controller logs this WARNING with a traceback when its 5 s call to the autoscaling
 # coordinator times out, which it does on an overloaded machine (two test processes on two cores);
-# Ray's own words: "safe to ignore" when transient. A stage's own Ray instance drops it
-# (pipeline/cluster.py); a stage that joins a cluster (a head, a job) still logs it.
+# Ray's own words: "safe to ignore" when transient. A stage's own Ray instance sends no such call
+# (pipeline/cluster.py); a stage that joins a cluster (a head, a job) may still log it.
+COORDINATOR_TIMEOUTS = ("Failed to send resource request for train-", "Failed to cancel resource request for train-")
 _RAY_OVERLOAD_WARNING = re.compile("|".join(map(re.escape, COORDINATOR_TIMEOUTS)))
 _RAY_PREFIX = re.compile(r"^\(\S+ pid=\d+(, ip=\S+)?\) ")  # "(TrainController pid=123) ", where Ray adds it
 
