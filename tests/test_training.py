@@ -494,30 +494,30 @@ def test_a_diverging_run_stops_on_every_rank_and_saves_nothing(tmp_path):
 
 def test_a_time_budget_run_is_the_run_of_the_epochs_it_planned(tmp_path, monkeypatch):
     """A budget spent before the 3-epoch warm-up ends: after it both Ray ranks plan 4 epochs (one more,
-    at most 7), it is printed, logged and in metrics/pretrain.json; a failure in epoch 4 resumes with the
-    plan; and the run is the one ``epochs: 4`` without a budget trains, epoch by epoch."""
+    at most 7), it is printed, logged and in metrics/pretrain.json; a rank lost in epoch 4 (Ray restarts
+    the worker group) resumes with the plan; and the run is the one ``epochs: 4`` without a budget trains,
+    epoch by epoch."""
     import re
 
     def edit(raw):
         raw = short_run(raw)
         raw["pretrain"].update(epochs=7, warmup_epochs=3, time_budget_minutes=0.001)
+        raw["ray"].update(max_failures=1)
         return raw
 
     repo = sharded_short_run(tmp_path / "repo", edit=edit)
     inject_fault(monkeypatch, f"raise@{3 * STEPS_PER_EPOCH + 8}:{tmp_path / 'failed'}")
-    first = run(["python", "-m", "stages.pretrain"], repo)
-    assert first.returncode != 0 and (tmp_path / "failed").exists(), first.stdout[-2000:]
-    assert re.search(r"\[pretrain\] time budget 0.001 min: [\d.]+ s spent, [\d.]+ s per epoch -> 4 epochs "
-                     r"\(at most 7\)", first.stdout), first.stdout[-2000:]
     proc = run(["python", "-m", "stages.pretrain"], repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0 and (tmp_path / "failed").exists(), proc.stderr[-3000:]
+    planned = re.findall(r"\[pretrain\] time budget 0.001 min: [\d.]+ s spent, [\d.]+ s per epoch -> 4 epochs "
+                         r"\(at most 7\)", proc.stdout)
+    assert len(planned) == 1, proc.stdout[-3000:]  # planned once: the restarted ranks restore the plan
     assert f"resumed from checkpoint: epoch 3, batch 8, step {3 * STEPS_PER_EPOCH + 8}" in proc.stdout
-    assert "time budget" not in proc.stdout  # planned once
     budget_rows, summary = final_state(repo)
     assert len(budget_rows) == summary["epoch"] == summary["planned_epochs"] == 4
     client, (r,) = pretrain_runs(repo)
     assert r.data.metrics["planned_epochs"] == 4
-    walls = client.get_metric_history(r.info.run_id, "wall_time_s")  # once per epoch, over both launches
+    walls = client.get_metric_history(r.info.run_id, "wall_time_s")  # once per epoch, over both attempts
     assert min(m.step for m in walls) > 0  # none at step 0, where a chart over steps would start at the end
     assert len({m.step for m in walls}) == len(walls) == 4  # the summary does not log the last one again
 
