@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import add_record_option, command_line, record_and_say
-from pipeline.cluster import REPORT_POLL_VAR, init_ray
+from pipeline.cluster import REPORT_POLL_VAR, init_ray, torch_trainer
 from pipeline.config import RayConfig
 from pipeline.utils import positive_int, seconds
 
@@ -58,13 +58,13 @@ def reporting_loop(cfg: dict) -> None:
 
 def measure(interval: str, args: argparse.Namespace, storage: str) -> dict:
     from ray.train import LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     os.environ[REPORT_POLL_VAR] = interval  # read when fit() starts the controller, passed on to the ranks
-    trainer = TorchTrainer(reporting_loop, train_loop_config={"reports": args.reports, "gap": args.gap},
-                           scaling_config=ScalingConfig(num_workers=args.workers),
-                           run_config=RunConfig(name=f"report-{interval}", storage_path=storage,
-                                                logging_config=LoggingConfig(log_level="WARNING")))
+    trainer = torch_trainer(RayConfig(num_workers=args.workers), reporting_loop,
+                            train_loop_config={"reports": args.reports, "gap": args.gap},
+                            scaling_config=ScalingConfig(num_workers=args.workers),
+                            run_config=RunConfig(name=f"report-{interval}", storage_path=storage,
+                                                 logging_config=LoggingConfig(log_level="WARNING")))
     return trainer.fit().metrics
 
 

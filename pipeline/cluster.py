@@ -4,12 +4,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
-import socket
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 from pipeline.config import ConfigError, RayConfig
@@ -22,7 +19,6 @@ WAIT_REPORT_S = 30  # how often a wait for cluster resources says so
 # last one was taken: a loop reporting every 1.6 s (an epoch of the default pipeline, or of CIFAR-10
 # on one H100) waited ~0.4 s per report. Ray passes the variable on to its controller and ranks.
 REPORT_POLL_VAR, REPORT_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
-RAY_CLI_WORKER_PORTS = (10002, 19999)  # what `ray start` gives its workers (a head on this machine)
 # Ray Train's controller tells an autoscaling coordinator (a detached actor it starts) what the run needs,
 # and waits up to 5 s for each answer: a busy machine timed out there, a 20-line traceback each time. A Ray
 # instance of the stage's own has no autoscaler to tell, so its processes send nothing (:func:`no_autoscaler`).
@@ -54,10 +50,9 @@ def _job_env_vars() -> set[str]:
         return set()
 
 
-def init_ray(ray_cfg: RayConfig, *, train: bool = True) -> None:
+def init_ray(ray_cfg: RayConfig) -> None:
     """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS``, or start a quiet local one; either
-    way make sure it can hold ``ray.num_workers`` ranks before anything is submitted. ``train=False``
-    (plain Ray tasks): a local one without the dashboard, which only Ray Train needs (~2 s of start-up)."""
+    way make sure it can hold ``ray.num_workers`` ranks before anything is submitted."""
     if not ray_cfg.verbose:  # rank 0's epoch lines without "(RayTrainWorker pid=…)"; read as Ray is imported
         os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
     import ray
@@ -81,14 +76,16 @@ def init_ray(ray_cfg: RayConfig, *, train: bool = True) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        _start_local(ray_cfg, kwargs, dashboard=train)
+        _start_local(ray_cfg, kwargs)
     raise_on_signals()  # ray.init replaced the SIGTERM handler with one that aborts
     if address:
         wait_for_resources(ray_cfg)
 
 
-def _start_local(ray_cfg: RayConfig, kwargs: dict, dashboard: bool) -> None:
-    """A Ray instance for this stage alone; with ``dashboard``, its dashboard on a free loopback port."""
+def _start_local(ray_cfg: RayConfig, kwargs: dict) -> None:
+    """A Ray instance for this stage alone. No dashboard: it backs Ray's state API, which only Ray Train's
+    placement-group cleaner reads, and a local run leaves that out (:func:`is_local`); its start-up
+    processes were a few CPU-seconds of every run's."""
     import ray
 
     check_local_capacity(ray_cfg)
@@ -97,17 +94,10 @@ def _start_local(ray_cfg: RayConfig, kwargs: dict, dashboard: bool) -> None:
     # cpus_per_worker may exceed the cores (a cluster recipe tried on a laptop): Ray is told it has them.
     # address="local": a new instance even where `ray start --head` left its address for ray.init() to join.
     cpus = max(ray_cfg.num_workers * ray_cfg.cpus_per_worker, os.cpu_count() or 1)
-    if dashboard:
-        # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls. Its actors
-        # find that API by looking for "the" Ray instance on the machine and die with a traceback when
-        # there are several (another stage, a `dvc queue` worker, a head): so they are told where it is.
-        port = free_loopback_port()
-        kwargs["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-        kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
     kwargs["runtime_env"]["worker_process_setup_hook"] = no_autoscaler
     before = _descendants()
     with _loopback_only():
-        ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, **kwargs)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
     # Ray's agents outlive a `kill -9` of the stage: whatever it started is ended once the stage is gone
     watch(sorted(_descendants() - before))
 
@@ -147,39 +137,11 @@ def no_autoscaler() -> None:
     client.send_resource_request = client.cancel_resource_request = lambda *args, **kwargs: None
 
 
-def free_loopback_port() -> int:
-    """A free loopback port below the kernel's ephemeral range. A port that ``bind(0)`` hands out is one the
-    kernel also gives outgoing connections as their source port, and Ray opens many while it starts: one
-    such port was taken before the dashboard bound it ("already occupied", a failed stage)."""
-    first_ephemeral = _ephemeral_ports()[0]
-    candidates = range(RAY_CLI_WORKER_PORTS[1] + 1, first_ephemeral)
-    for port in random.sample(candidates, min(len(candidates), 100)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:  # in use: try another
-                continue
-    with socket.socket() as s:  # no port free below the range: any free one
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range of source ports for outgoing connections (Linux's default where unreadable)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
 @contextmanager
-def ray_cluster(ray_cfg: RayConfig, *, train: bool = True) -> Iterator[None]:
-    """:func:`init_ray` (``train`` as there), and on a signal inside, leave Ray before the stage prints its
-    last line: Ray's own exit hook would print after it the forwarded logs of actors dying with the run
-    (Ray Train's placement-group cleaner, say)."""
-    init_ray(ray_cfg, train=train)
+def ray_cluster(ray_cfg: RayConfig) -> Iterator[None]:
+    """:func:`init_ray`, and on a signal inside, leave Ray before the stage prints its last line: Ray's own
+    exit hook would print after it the forwarded logs of actors dying with the run."""
+    init_ray(ray_cfg)
     try:
         yield
     except KeyboardInterrupt:
@@ -187,6 +149,32 @@ def ray_cluster(ray_cfg: RayConfig, *, train: bool = True) -> Iterator[None]:
 
         ray.shutdown()
         raise
+
+
+def torch_trainer(ray_cfg: RayConfig, *args, **kwargs):
+    """Ray Train's ``TorchTrainer(*args, **kwargs)`` as the stages run it (on the cluster of ``ray_cfg``)."""
+    from ray.train.torch import TorchTrainer
+
+    class StageTrainer(TorchTrainer):
+        def _register_sigint_handler(self, controller) -> None:
+            """Ray Train's own Ctrl-C handler left out (it aborted the run and exited 1 in silence): the
+            stage's (:mod:`pipeline.signals`) stops it as it stops a SIGTERM, KILLED and resumable."""
+
+        def _create_default_callbacks(self) -> list:
+            """On the stage's own Ray instance, without the placement-group cleaner: an actor that frees the
+            run's reservation should the controller die, which matters on a cluster that outlives the run,
+            and reads Ray's state API, which needs the dashboard that a local instance leaves out."""
+            callbacks = super()._create_default_callbacks()
+            if is_local(ray_cfg):
+                callbacks = [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+            return callbacks
+
+    return StageTrainer(*args, **kwargs)
+
+
+def is_local(ray_cfg: RayConfig) -> bool:
+    """Whether the stage runs on a Ray instance of its own (which ends with it), not a joined cluster."""
+    return not cluster_address(ray_cfg)
 
 
 def cluster_address(ray_cfg: RayConfig) -> str | None:

@@ -44,7 +44,7 @@ def distributed_predict(model: VisionTransformer, shard_dir, split: str, params:
     from pipeline.cluster import ray_cluster
 
     world = params.ray.num_workers
-    with ray_cluster(params.ray, train=False):
+    with ray_cluster(params.ray):
         state = ray.put({k: v.detach().cpu() for k, v in model.state_dict().items()})
         res = worker_resources(params.ray)
         task = ray.remote(predict_rank).options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0))

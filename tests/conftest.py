@@ -4,9 +4,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,18 +47,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 _HANDED_OUT: set[int] = set()
 
 
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now and not handed out before in this session: the
-    stages' own choice (below the kernel's source ports for outgoing connections), so two calls in a row
-    (say, for a Ray head's client and agent ports) cannot return the same number.
-    """
-    from pipeline.cluster import free_loopback_port
+RAY_CLI_WORKER_PORTS = (10002, 19999)  # what `ray start` gives its workers (a head on this machine)
 
-    while True:
-        port = free_loopback_port()
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+
+def free_port() -> int:
+    """A free loopback TCP port, below the kernel's ephemeral range and not handed out before in this
+    session, so two calls in a row (say, for a Ray head's client and agent ports) cannot return the same
+    number. A port that ``bind(0)`` hands out is one the kernel also gives outgoing connections as their
+    source port, and Ray opens many while it starts: one such port was taken before a server bound it."""
+    first_ephemeral = ephemeral_ports()[0]
+    candidates = [p for p in range(RAY_CLI_WORKER_PORTS[1] + 1, first_ephemeral) if p not in _HANDED_OUT]
+    for port in random.sample(candidates, min(len(candidates), 100)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use: try another
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # no port free below the range: any free one
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux's default where unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -170,16 +170,16 @@ def test_local_backend_is_one_rank_whatever_num_workers_says():
         load_params(ROOT / "params.yaml", overrides={"ray.num_workers": 3})
 
 
-def test_dashboard_port_is_free_and_outside_the_ports_others_are_handed():
-    """The local dashboard's port is free, and neither one the kernel gives outgoing connections (Ray took
-    one such port before its dashboard bound it, in CI) nor one of `ray start`'s worker ports."""
+def test_test_servers_ports_are_free_and_outside_the_ports_others_are_handed():
+    """The tests' servers' ports are free, and neither one the kernel gives outgoing connections (Ray took
+    one such port before a dashboard bound it, in CI) nor one of `ray start`'s worker ports."""
     import socket
 
-    from pipeline.cluster import RAY_CLI_WORKER_PORTS, _ephemeral_ports, free_loopback_port
+    from tests.conftest import RAY_CLI_WORKER_PORTS, ephemeral_ports, free_port
 
-    low, high = _ephemeral_ports()
-    ports = {free_loopback_port() for _ in range(20)}
-    assert len(ports) > 1  # random: two stages starting together rarely pick the same one
+    low, high = ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) == 20  # none handed out twice
     for port in ports:
         assert not low <= port <= high and not RAY_CLI_WORKER_PORTS[0] <= port <= RAY_CLI_WORKER_PORTS[1], port
         with socket.socket() as s:

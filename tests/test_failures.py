@@ -180,7 +180,7 @@ def request_then_named_actors():
     return time.monotonic() - started, ray.util.list_named_actors(all_namespaces=True)
 
 for verbose in (False, True):
-    init_ray(RayConfig(num_workers=1, verbose=verbose), train=False)
+    init_ray(RayConfig(num_workers=1, verbose=verbose))
     took, actors = ray.get(request_then_named_actors.remote())
     print(verbose, took < 0.1, actors, flush=True)
     ray.shutdown()

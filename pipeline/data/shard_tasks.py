@@ -169,7 +169,7 @@ def runner(tasks: int, total: int, ray_cfg=None):
     from pipeline.config import RayConfig
 
     if not ray.is_initialized():  # the shard stage's tasks are one CPU each: no training ranks to fit
-        init_ray(dataclasses.replace(ray_cfg or RayConfig(), num_workers=1, use_gpu=False), train=False)
+        init_ray(dataclasses.replace(ray_cfg or RayConfig(), num_workers=1, use_gpu=False))
     return _Ray(tasks or max(1, int(ray.cluster_resources().get("CPU", 1))))
 
 

@@ -295,17 +295,12 @@ def _ray_trainer(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: 
     """A TorchTrainer running the loop on ``ray.num_workers`` ranks, checkpointing into ``storage_path``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
+    from pipeline.cluster import torch_trainer
     from pipeline.train.worker import train_loop_per_worker
 
-    class StageTrainer(TorchTrainer):
-        def _register_sigint_handler(self, controller) -> None:
-            """Ray Train's own Ctrl-C handler left out (it aborted the run and exited 1 in silence): the
-            stage's (:mod:`pipeline.signals`) stops it as it stops a SIGTERM, KILLED and resumable."""
-
-    return StageTrainer(
-        train_loop_per_worker,
+    return torch_trainer(
+        ray_cfg, train_loop_per_worker,
         train_loop_config={"cfg": spec.loop, "run": dataclasses.replace(run, init_state=ray.put(run.init_state))},
         scaling_config=ScalingConfig(num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.use_gpu,
                                      resources_per_worker=worker_resources(ray_cfg)),
