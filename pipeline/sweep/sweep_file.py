@@ -48,6 +48,7 @@ class Sweep:
     mode: str | None = None         # null: max, or min for a loss
     num_samples: int = 1            # draws from the space; a grid is tried whole for each draw
     max_concurrent: int | None = None  # null: as many trials at once as the resources allow
+    seed: int = 0                   # of the draws from the space: the same file draws the same trials
     scheduler: Scheduler = field(default_factory=Scheduler)
     resources: Resources = field(default_factory=Resources)
     # set by load_sweep, not read from the file: the sweep file and the params file it is checked against
@@ -57,6 +58,12 @@ class Sweep:
     @property
     def name(self) -> str:
         return Path(self.path).stem
+
+    @property
+    def total_trials(self) -> int:
+        """``num_samples`` draws, each of every grid point."""
+        return self.num_samples * math.prod(len(values) for spec in self.space.values()
+                                            for kind, values in spec.items() if kind == "grid")
 
     @property
     def best_mode(self) -> str:

@@ -45,7 +45,7 @@ def sweep(params: Params, path: str) -> dict:
     started = time.time()
     try:
         with ray_cluster(_driver_ray(params, spec), train=spec.resources.workers > 1):
-            grid = _tuner(spec, parent, uri, out).fit()
+            grid = _fit(_tuner(spec, parent, uri, out))
         return _finish(spec, grid, parent, uri, out, time.time() - started)
     except KeyboardInterrupt:
         _end_parent(uri, parent, "KILLED")  # resumed by running the sweep again
@@ -53,6 +53,20 @@ def sweep(params: Params, path: str) -> dict:
     except BaseException:
         _end_parent(uri, parent, "FAILED")
         raise
+
+
+def _fit(tuner):
+    """Tune's fit, which takes Ctrl-C itself: it stops the trials, saves the sweep's state and returns. Its
+    handler puts the one before back when it fires (only then): a stop, raised as the stage's own."""
+    import signal
+
+    os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
+    ours = signal.getsignal(signal.SIGINT)
+    grid = tuner.fit()
+    if signal.getsignal(signal.SIGINT) is ours:
+        raise StageInterrupted(signal.SIGINT)
+    signal.signal(signal.SIGINT, ours)
+    return grid
 
 
 def _end_parent(uri: str, parent: str, status: str) -> None:
@@ -112,10 +126,13 @@ def _tuner(spec: Sweep, parent: str, uri: str, out: Path):
         scheduler = ASHAScheduler(time_attr="epoch", max_t=_max_epochs(spec),
                                   grace_period=spec.scheduler.grace_period,
                                   reduction_factor=spec.scheduler.reduction_factor)
+    from ray.tune.search import BasicVariantGenerator
+
     return tune.Tuner(trainable, param_space=search_space(spec), run_config=run_config,
                       tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.best_mode, scheduler=scheduler,
                                                   num_samples=spec.num_samples,
-                                                  max_concurrent_trials=spec.max_concurrent))
+                                                  search_alg=BasicVariantGenerator(
+                                                      random_state=spec.seed, max_concurrent=spec.max_concurrent or 0)))
 
 
 def _max_epochs(spec: Sweep) -> int:
@@ -164,7 +181,7 @@ class TrialLines(Callback):
         got = f"best {spec.metric} {value:.4f}" if value is not None else f"no {spec.metric}"
         lead = f"best so far: {self.best[1]} {spec.metric} {self.best[0]:.4f}" if self.best else "no best yet"
         print(f"[sweep] trial {trial.trial_id} {state} after {epochs}/{planned} epochs ({values}): {got}; "
-              f"{lead} [{self.ended} of {len(trials)} ended]", flush=True)
+              f"{lead} [{self.ended} of {spec.total_trials} ended]", flush=True)
 
 
 def best_value(trial, spec: Sweep) -> float | None:
@@ -184,6 +201,7 @@ def _short(value) -> str:
 def _parent_run(uri: str, params: Params, spec: Sweep, out: Path) -> str:
     """The sweep's MLflow run (the one it began, when it resumes): its settings as params, the trials under it."""
     import mlflow
+    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
     from pipeline.tracking import check_artifact_location, git_info
@@ -200,24 +218,16 @@ def _parent_run(uri: str, params: Params, spec: Sweep, out: Path) -> str:
     run = client.create_run(experiment.experiment_id, run_name=f"sweep {spec.name}",
                             tags={"kind": "sweep", "stage": spec.stage, "sweep.file": spec.path, **git_info()})
     settings = {k: str(v) for k, v in sweep_settings(spec).items()}
-    from mlflow.entities import Param
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in settings.items()])
     atomic_write_text(recorded, run.info.run_id + "\n")
     return run.info.run_id
 
 
 def _finish(spec: Sweep, grid, parent: str, uri: str, out: Path, seconds: float) -> dict:
-    """The best trial's overrides into best.yaml, the dvc line, and both onto the parent run. A sweep Tune
-    let go of at a Ctrl-C (it saves its state and returns) is a stop, not an end."""
-    import math
-    import signal
-
+    """The best trial's overrides into best.yaml, the dvc line, and both onto the parent run."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
-    grids = [len(values) for spec_ in spec.space.values() for kind, values in spec_.items() if kind == "grid"]
-    if grid.num_terminated + grid.num_errors < spec.num_samples * math.prod(grids):
-        raise StageInterrupted(signal.SIGINT)
     best = grid.get_best_result(spec.metric, spec.best_mode, scope="all") if grid.num_terminated else None
     if best is None or spec.metric not in (best.metrics or {}):
         raise ValueError(f"sweep {spec.path}: no trial reported {spec.metric} (their output: {out / 'logs'})")
