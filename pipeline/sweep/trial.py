@@ -24,10 +24,14 @@ def trial_params(sweep: Sweep, config: dict[str, Any], runs_dir: str) -> Params:
 
 
 def train_trial(config: dict[str, Any], *, sweep: Sweep, parent_run_id: str, tracking_uri: str,
-                sweep_dir: str) -> None:
-    """Tune's function trainable. The trial's console output goes to ``<sweep_dir>/logs/<trial id>.log``."""
+                sweep_dir: str, root: str) -> None:
+    """Tune's function trainable, run in ``root``, the sweep's working directory (its shards, models/pretrain;
+    on a cluster, a shared path). The trial's console output goes to ``<sweep_dir>/logs/<trial id>.log``."""
+    import os
+
     from ray import tune
 
+    os.chdir(root)
     trial_id = tune.get_context().get_trial_id()
     logs = Path(sweep_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)

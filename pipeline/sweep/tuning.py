@@ -38,7 +38,6 @@ def sweep(params: Params, path: str) -> dict:
     uri = configured_uri()
     check_tracking_uri(uri)
     parent = _parent_run(uri, params, spec, out)
-    os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"  # trials read the shards (and models/pretrain) from here
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's own tables off (verbose=0): the lines below say it
     from pipeline.cluster import ray_cluster
 
@@ -110,7 +109,7 @@ def _tuner(spec: Sweep, parent: str, uri: str, out: Path):
     from ray import tune
 
     trainable = tune.with_parameters(train_trial, sweep=spec, parent_run_id=parent, tracking_uri=uri,
-                                     sweep_dir=str(out))
+                                     sweep_dir=str(out), root=str(Path.cwd()))
     r = spec.resources
     # one rank: the loop runs in the trial; more: the trial only drives Ray Train, whose ranks reserve their own
     trainable = tune.with_resources(trainable, {"cpu": r.cpus, "gpu": r.gpus} if r.workers == 1 else {"cpu": 0})
