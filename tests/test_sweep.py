@@ -176,6 +176,8 @@ def test_the_stage_run_with_best_yaml_repeats_the_trials_first_epoch(asha):
     proc = subprocess.run(["python", "-m", "stages.pretrain"], cwd=repo, env=clean_env(OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[pretrain] in-process: 1 worker(s)" in proc.stdout and "resumed" not in proc.stdout  # trained anew
+    assert "already finished" not in proc.stdout
     with open(repo / "plots/pretrain_history.csv") as f:
         first = next(csv.DictReader(f))
     trial = children[parent.data.tags["best.trial_id"]].info.run_id
@@ -216,6 +218,7 @@ def test_grid_sweep_resumes_after_ctrl_c_without_rerunning_finished_trials(tmp_p
     assert "[sweep] resuming " in again.stdout
     done_after = [line.split()[2] for line in _trial_lines(again.stdout)]
     assert not set(done_before) & set(done_after) and len(done_before) + len(done_after) == len(grid)
+    assert _trial_lines(again.stdout)[-1].endswith(f"[{len(grid)} of {len(grid)} ended]")
     client, parent, children = _runs(repo, "grid")
     assert parent.info.status == "FINISHED" and sorted(children) == sorted(done_before + done_after)
     assert sorted(float(c.data.params["pretrain.lr"]) for c in children.values()) == grid

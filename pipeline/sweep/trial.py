@@ -58,7 +58,7 @@ def _train(config: dict, sweep: Sweep, parent_run_id: str, tracking_uri: str, ru
     try:
         fit(spec, params.ray, model, run_id=run_id, on_epoch=_reporter(sweep.metric) if local else None,
             train_callbacks=() if local else (_train_reporter(sweep.metric),))
-    except BaseException:
+    except Exception:  # not Tune ending the thread of a trial it stopped (SystemExit): the driver closes that run
         client.set_terminated(run_id, "FAILED")
         raise
     end_trial(client, run_id, FINISHED)

@@ -111,7 +111,9 @@ def _tuner(spec: Sweep, parent: str, uri: str, out: Path):
     trainable = tune.with_parameters(train_trial, sweep=spec, parent_run_id=parent, tracking_uri=uri,
                                      sweep_dir=str(out), root=str(Path.cwd()))
     r = spec.resources
-    # one rank: the loop runs in the trial; more: the trial only drives Ray Train, whose ranks reserve their own
+    # one rank: the loop runs in the trial; more: the trial only drives Ray Train, whose ranks reserve their own.
+    # Trials reuse the actors of ended ones (reuse_actors below): a new process and its imports cost more than
+    # the few epochs ASHA lets a bad trial run.
     trainable = tune.with_resources(trainable, {"cpu": r.cpus, "gpu": r.gpus} if r.workers == 1 else {"cpu": 0})
     progress = TrialLines(spec, parent, uri, out)
     run_config = tune.RunConfig(name=TUNE_DIR, storage_path=str(out), verbose=0, callbacks=[progress])
@@ -129,7 +131,7 @@ def _tuner(spec: Sweep, parent: str, uri: str, out: Path):
 
     return tune.Tuner(trainable, param_space=search_space(spec), run_config=run_config,
                       tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.best_mode, scheduler=scheduler,
-                                                  num_samples=spec.num_samples,
+                                                  num_samples=spec.num_samples, reuse_actors=True,
                                                   search_alg=BasicVariantGenerator(
                                                       random_state=spec.seed, max_concurrent=spec.max_concurrent or 0)))
 
@@ -148,8 +150,6 @@ class TrialLines(Callback):
 
     def __init__(self, spec: Sweep, parent: str, uri: str, out: Path):
         self.spec, self.parent, self.uri, self.logs = spec, parent, uri, out / "logs"
-        self.best: tuple[float, str, dict] | None = None
-        self.ended = 0
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         self._ended(trial, trials, failed=False)
@@ -160,7 +160,7 @@ class TrialLines(Callback):
     def _ended(self, trial, trials, failed: bool) -> None:
         from mlflow.tracking import MlflowClient
 
-        spec, self.ended = self.spec, self.ended + 1
+        spec = self.spec
         epochs = int((trial.last_result or {}).get("epoch", 0))
         planned = getattr(trial_params(spec, trial.config, "."), spec.stage).epochs
         values = ", ".join(f"{k}={_short(v)}" for k, v in trial.config.items())
@@ -174,23 +174,22 @@ class TrialLines(Callback):
             state = FINISHED if epochs >= planned else STOPPED
             if child is not None and STATUS_TAG not in child.data.tags:
                 end_trial(client, child.info.run_id, state)
+        ended = [t for t in trials if t is trial or t.status in ("TERMINATED", "ERROR")]  # a resumed sweep's too
+        scored = [(v, t.trial_id) for t in ended if (v := best_value(t, spec)) is not None]
         value = best_value(trial, spec)
-        if value is not None and (self.best is None or _better(value, self.best[0], spec.best_mode)):
-            self.best = (value, trial.trial_id, trial.config)
         got = f"best {spec.metric} {value:.4f}" if value is not None else f"no {spec.metric}"
-        lead = f"best so far: {self.best[1]} {spec.metric} {self.best[0]:.4f}" if self.best else "no best yet"
+        lead = "no best yet"
+        if scored:
+            top = (max if spec.best_mode == "max" else min)(scored)
+            lead = f"best so far: {top[1]} {spec.metric} {top[0]:.4f}"
         print(f"[sweep] trial {trial.trial_id} {state} after {epochs}/{planned} epochs ({values}): {got}; "
-              f"{lead} [{self.ended} of {spec.total_trials} ended]", flush=True)
+              f"{lead} [{len(ended)} of {spec.total_trials} ended]", flush=True)
 
 
 def best_value(trial, spec: Sweep) -> float | None:
     """The trial's best ``metric`` over its epochs."""
     stats = (trial.metric_analysis or {}).get(spec.metric)
     return stats[spec.best_mode] if stats else None
-
-
-def _better(a: float, b: float, mode: str) -> bool:
-    return a > b if mode == "max" else a < b
 
 
 def _short(value) -> str:
