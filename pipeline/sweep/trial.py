@@ -36,7 +36,8 @@ def train_trial(config: dict[str, Any], *, sweep: Sweep, parent_run_id: str, tra
     logs = Path(sweep_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / f"{trial_id}.log", "a") as log, redirect_stdout(log), redirect_stderr(log):
-        _train(config, sweep, parent_run_id, tracking_uri, str(Path(sweep_dir) / "runs"), trial_id)
+        # a folder per trial: two trials drawing the same values are two runs, not one continuing the other
+        _train(config, sweep, parent_run_id, tracking_uri, str(Path(sweep_dir) / "runs" / trial_id), trial_id)
 
 
 def _train(config: dict, sweep: Sweep, parent_run_id: str, tracking_uri: str, runs_dir: str, trial_id: str) -> None:

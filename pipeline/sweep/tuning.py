@@ -111,10 +111,11 @@ def _tuner(spec: Sweep, parent: str, uri: str, out: Path):
     trainable = tune.with_parameters(train_trial, sweep=spec, parent_run_id=parent, tracking_uri=uri,
                                      sweep_dir=str(out), root=str(Path.cwd()))
     r = spec.resources
-    # one rank: the loop runs in the trial; more: the trial only drives Ray Train, whose ranks reserve their own.
+    # one rank: the loop runs in the trial; more: the trial only drives Ray Train, whose ranks reserve their own
+    # CPUs (Tune refuses a trial of no resources: a token of memory, which leaves every CPU to the ranks).
     # Trials reuse the actors of ended ones (reuse_actors below): a new process and its imports cost more than
     # the few epochs ASHA lets a bad trial run.
-    trainable = tune.with_resources(trainable, {"cpu": r.cpus, "gpu": r.gpus} if r.workers == 1 else {"cpu": 0})
+    trainable = tune.with_resources(trainable, {"cpu": r.cpus, "gpu": r.gpus} if r.workers == 1 else {"memory": 1})
     progress = TrialLines(spec, parent, uri, out)
     run_config = tune.RunConfig(name=TUNE_DIR, storage_path=str(out), verbose=0, callbacks=[progress])
     if tune.Tuner.can_restore(str(out / TUNE_DIR)):
