@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ASHA {figures['asha_wall_s']} s vs to the end {figures['none_wall_s']} s: {figures['ratio']}x "
           f"(target <= {TARGET}x), same best trial: {figures['same_best']}", flush=True)
     if args.record:
-        record_and_say("sweep_speed", figures, command=command_line(__file__, argv))
+        record_and_say("sweep_speed", figures, command=command_line(__file__, argv),
+                       case=f"{args.trials} trials x {args.epochs} epochs, {args.concurrent} at once")
     if args.json:
         print(json.dumps(figures))
     return 0
