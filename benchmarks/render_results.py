@@ -44,6 +44,8 @@ TITLES = {
                     "`grad_checkpointing`",
     "plain_loop": "`benchmarks/plain_loop.py`: a textbook PyTorch loop on a recipe's pretrain stage",
     "ray_report": "`benchmarks/ray_report.py`: time a rank waits in `ray.train.report`",
+    "sweep_speed": "`benchmarks/sweep_speed.py`: a sweep's wall time (s) with ASHA against the same trials run "
+                   "to their end, and whether both find the same best trial",
     "proxy": "The CPU proxy of the 1-GPU recipe: levers tried before spending GPU time on them",
 }
 

@@ -29,6 +29,8 @@ COMMANDS = {
                                          "s3:// prefixes"),
     "recipe": ("pipeline.recipes:main", "check a recipe (configs/*.yaml) against params.yaml and print it "
                                         "as `dvc exp run -S` overrides"),
+    "sweep": ("pipeline.sweep:main", "tune a training stage's params with Ray Tune (ASHA stops bad trials early) "
+                                     "and print the best as `dvc exp run -S` overrides"),
     "stage": ("pipeline.console:stage_main", "run one DVC stage ({stages}) in the current checkout, "
                                              "as dvc.yaml does"),
 }

@@ -47,6 +47,10 @@ class TrainContext:
         """The latest checkpoint directory of this run, or None for a fresh start."""
         raise NotImplementedError
 
+    def epoch_done(self, metrics: dict) -> None:
+        """Rank 0, after each epoch (and its checkpoint, if due): the runner's own use of the epoch's
+        metrics, such as a sweep trial's report to Tune; nothing by default."""
+
 
 def newer_on_disk(resume_from: Optional[str], ray_checkpoint: Optional[str]) -> bool:
     """Whether the run's newest checkpoint on disk is newer than the one Ray recorded (its record lags
@@ -101,8 +105,10 @@ class LocalContext(TrainContext):
     """The only rank, in this process. Checkpoints are written in ``run_dir`` (a local directory)
     and renamed into place, never copied; it keeps the newest ``keep`` of the ones it wrote."""
 
-    def __init__(self, run_dir: str, *, use_gpu: bool, keep: int, resume_from: Optional[str] = None):
+    def __init__(self, run_dir: str, *, use_gpu: bool, keep: int, resume_from: Optional[str] = None,
+                 on_epoch: Optional[Callable[[dict], None]] = None):
         self.rank, self.world_size = 0, 1
+        self.on_epoch = on_epoch
         self.device = local_device(use_gpu)
         self.run_dir, self.keep, self.resume_from = run_dir, keep, resume_from
         self.staging_dir = run_dir
@@ -122,6 +128,10 @@ class LocalContext(TrainContext):
 
     def resume_dir(self):
         return _fallback(self.resume_from)
+
+    def epoch_done(self, metrics):
+        if self.on_epoch:
+            self.on_epoch(metrics)
 
 
 def local_device(use_gpu: bool) -> torch.device:

@@ -17,6 +17,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -193,9 +194,11 @@ def step_hooks_from_env() -> tuple[str, ...]:
 
 
 def fit(spec: RunSpec, ray_cfg: RayConfig, model: VisionTransformer, *, run_id: str | None = None,
-        step_hooks: tuple[str, ...] = ()) -> TrainResult:
+        step_hooks: tuple[str, ...] = (), on_epoch: Callable[[dict], None] | None = None,
+        train_callbacks: tuple = ()) -> TrainResult:
     """Run (or continue) the planned run on the configured backend; load its final weights into ``model``.
-    ``step_hooks`` (``module:function[=argument]``) are called with ``$VIT_STEP_HOOKS``'s."""
+    ``step_hooks`` (``module:function[=argument]``) are called with ``$VIT_STEP_HOOKS``'s. A sweep trial
+    passes what takes each epoch's metrics: ``on_epoch`` in-process, ``train_callbacks`` (Ray Train's) on Ray."""
     from pipeline.tracking import configured_uri
 
     storage.check_ray_storage(ray_cfg.storage_path)
@@ -213,9 +216,9 @@ def fit(spec: RunSpec, ray_cfg: RayConfig, model: VisionTransformer, *, run_id: 
           f"per rank{_graph_note(loop, ray_cfg)}, run {spec.run_name}", flush=True)
     try:
         if ray_cfg.backend == "local":
-            final, checkpoint = _fit_local(spec, run, ray_cfg)
+            final, checkpoint = _fit_local(spec, run, ray_cfg, on_epoch)
         else:
-            final, checkpoint = _fit_ray(spec, run, ray_cfg, storage_path, storage_fs)
+            final, checkpoint = _fit_ray(spec, run, ray_cfg, storage_path, storage_fs, train_callbacks)
     except BaseException:  # failed or interrupted: a rank killed while writing a checkpoint left it half-written
         if run_dir:
             remove_staging(run_dir)
@@ -261,25 +264,26 @@ def check_finished(spec: RunSpec, final: dict | None) -> None:
         f"than fp16, then run again (changed params start a new run)")
 
 
-def _fit_local(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig) -> tuple[dict | None, str | None]:
+def _fit_local(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig,
+               on_epoch: Callable[[dict], None] | None = None) -> tuple[dict | None, str | None]:
     """The final checkpoint's state and where it is (None, None without one)."""
     from pipeline.train.context import LocalContext
     from pipeline.train.worker import run_loop
 
     ctx = LocalContext(run.run_dir, use_gpu=ray_cfg.use_gpu, keep=ray_cfg.checkpoints_to_keep,
-                       resume_from=latest_checkpoint(run.run_dir))
+                       resume_from=latest_checkpoint(run.run_dir), on_epoch=on_epoch)
     run_loop(spec.loop, run, ctx)
     checkpoint = latest_checkpoint(run.run_dir)
     return (load_state(checkpoint), checkpoint) if checkpoint else (None, None)
 
 
 def _fit_ray(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: str,
-             storage_fs) -> tuple[dict | None, str | None]:
+             storage_fs, callbacks: tuple = ()) -> tuple[dict | None, str | None]:
     """The final checkpoint's state and where it is (None, None without one)."""
     from pipeline.cluster import ray_cluster
 
     with ray_cluster(ray_cfg):
-        result = _ray_trainer(spec, run, ray_cfg, storage_path, storage_fs).fit()
+        result = _ray_trainer(spec, run, ray_cfg, storage_path, storage_fs, callbacks).fit()
     # a run that had already finished on disk (by the local runner, or just before Ray recorded its last
     # checkpoint) reports nothing this launch: its newest checkpoint is the one the ranks resumed from
     on_disk = latest_checkpoint(run.run_dir) if run.run_dir else None
@@ -291,7 +295,8 @@ def _fit_ray(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: str,
         return load_state(d), str(result.checkpoint.path)
 
 
-def _ray_trainer(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: str, storage_fs):
+def _ray_trainer(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: str, storage_fs,
+                 callbacks: tuple = ()):
     """A TorchTrainer running the loop on ``ray.num_workers`` ranks, checkpointing into ``storage_path``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
@@ -308,7 +313,8 @@ def _ray_trainer(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: 
             name=spec.run_name, storage_path=storage_path, storage_filesystem=storage_fs,
             checkpoint_config=CheckpointConfig(num_to_keep=ray_cfg.checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=ray_cfg.max_failures),
-            logging_config=LoggingConfig(log_level="INFO" if ray_cfg.verbose else "WARNING")),
+            logging_config=LoggingConfig(log_level="INFO" if ray_cfg.verbose else "WARNING"),
+            callbacks=list(callbacks)),
     )
 
 

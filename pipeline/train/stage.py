@@ -120,10 +120,17 @@ def stage_summary(result: TrainResult) -> dict:
 
 def pretrain(params: Params) -> dict:
     """Train a ViT from scratch on the pretrain shards."""
-    shard_dir = storage.shard_dir("pretrain")
+    return _train_and_save("pretrain", params, *stage_start("pretrain", params))
+
+
+def stage_start(stage: str, params: Params) -> tuple[TrainConfig, VisionTransformer, str | Path, dict]:
+    """A training stage's recipe, initial model, shards and their dataset info (what a sweep trial
+    starts from too)."""
+    shard_dir = storage.shard_dir(stage)
     info = read_dataset_info(shard_dir)
-    model = pretrain_start(params, len(info["classes"]))
-    return _train_and_save("pretrain", params, params.pretrain, model, shard_dir, info)
+    if stage == "pretrain":
+        return params.pretrain, pretrain_start(params, len(info["classes"])), shard_dir, info
+    return params.finetune, load_finetune_start(params, info["classes"]), shard_dir, info
 
 
 def pretrain_start(params: Params, num_classes: int) -> VisionTransformer:
@@ -294,10 +301,7 @@ def _state_dict_of(obj: object, path: Path, redo: str) -> dict:
 
 def finetune(params: Params) -> dict:
     """Fine-tune the pretrained model on the finetune shards at the fine-tune resolution."""
-    shard_dir = storage.shard_dir("finetune")
-    info = read_dataset_info(shard_dir)
-    model = load_finetune_start(params, info["classes"])
-    return _train_and_save("finetune", params, params.finetune, model, shard_dir, info)
+    return _train_and_save("finetune", params, *stage_start("finetune", params))
 
 
 def finetune_extra_params(params: Params) -> dict:

@@ -206,6 +206,8 @@ def run_loop(cfg: LoopConfig, run: LoopRun, ctx: TrainContext) -> None:
             if (epoch + 1) % cfg.checkpoint_every_epochs == 0 or last or selection.stopped \
                     or _step_checkpoint_due(cfg, progress.step):
                 checkpoint(metrics)
+            if ctx.rank == 0:
+                ctx.epoch_done(metrics)
             if selection.stopped:
                 if ctx.rank == 0:
                     print(f"[{cfg.stage}] early stop after epoch {epoch + 1}: no better val top-1 than "
