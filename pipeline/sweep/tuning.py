@@ -43,7 +43,7 @@ def sweep(params: Params, path: str) -> dict:
 
     started = time.time()
     try:
-        with ray_cluster(_driver_ray(params, spec), train=spec.resources.workers > 1):
+        with ray_cluster(_driver_ray(params, spec)):
             grid = _fit(_tuner(spec, parent, uri, out))
         return _finish(spec, grid, parent, uri, out, time.time() - started)
     except KeyboardInterrupt:
