@@ -15,6 +15,10 @@ if [ ! -x /usr/bin/chromium ]; then
 fi
 echo "[test] ruff check" >&2
 ruff check --quiet .
+# The project's own modules as bytecode (what scripts/env.sh does for the packages): where Python may not
+# write it (PYTHONDONTWRITEBYTECODE), each of the suite's few hundred stage and Ray worker processes
+# compiled them again. tests/repo_copy.py copies it along.
+python -m compileall -q pipeline stages benchmarks tests
 # Two processes, each test file whole in one of them (its module fixtures, e.g. the dvc repro, run once):
 # most of a slow test is waiting on Ray / DVC / MLflow start-up, so two share 2 cores well. Files go
 # out in collection order, the longest first (tests/conftest.py: LONGEST_FIRST).

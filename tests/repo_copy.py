@@ -16,12 +16,13 @@ REPO_FILES = ["pipeline", "stages", "dvc.yaml", "params.yaml", ".dvcignore", ".d
 
 
 def copy_repo_files(dst: Path, names: list[str]) -> Path:
-    """Files and directories ``names`` (relative to the repo root) copied to ``dst``, without caches."""
+    """Files and directories ``names`` (relative to the repo root) copied to ``dst``, their bytecode with
+    them (scripts/test.sh compiles it; each copy's stages would otherwise compile the same code again)."""
     for name in names:
         src, target = ROOT / name, dst / name
         target.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
-            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(src, target)
         else:
             shutil.copy2(src, target)
     return dst
