@@ -2,7 +2,9 @@
 # Ray job entrypoint (see infra/submit.sh): run pipeline stages with inputs and outputs in a workspace
 # outside the uploaded working dir.
 #
-#   bash infra/job.sh [STAGE ...]   STAGE: shard-pretrain shard-finetune pretrain finetune evaluate export
+#   bash infra/job.sh [STAGE ...]   STAGE: shard-pretrain shard-finetune pretrain finetune evaluate export,
+#                                   or sweep:FILE (`vit-pipeline sweep FILE`, FILE relative to the repo
+#                                   root; its sweeps/ lands in the workspace)
 #                                   (default: pretrain finetune evaluate export)
 #   bash infra/job.sh --check [STAGE ...]   only the checks below, nothing created (infra/submit.sh runs
 #                                   them before it uploads: a job that can only fail never starts)
@@ -33,7 +35,9 @@ stages=("$@")
 [[ ${#stages[@]} -gt 0 ]] || stages=(pretrain finetune evaluate export)
 for s in "${stages[@]}"; do
   case $s in shard-pretrain|shard-finetune|pretrain|finetune|evaluate|export) ;;
-    *) die "unknown stage '$s' (valid: shard-pretrain shard-finetune pretrain finetune evaluate export)" ;;
+    sweep:*) f=${s#sweep:}; [[ $f == /* ]] || f=$code/$f
+      [[ -f $f ]] || die "$s: no sweep file $f (give it relative to the repository root)" ;;
+    *) die "unknown stage '$s' (valid: shard-pretrain shard-finetune pretrain finetune evaluate export sweep:FILE)" ;;
   esac
 done
 [[ $ws != *://* || -n ${MLFLOW_TRACKING_URI:-} ]] ||
@@ -65,12 +69,13 @@ inputs() {  # with VIT_SHARDS_URL the stages stream shards from there: no local 
   case $1 in
     pretrain) shards=data/shards/pretrain ;;
     finetune|evaluate|export) shards=data/shards/finetune ;;
+    sweep:*) shards="data/shards/pretrain data/shards/finetune" ;;  # either stage's; missing ones are fine
   esac
   [[ -n ${VIT_SHARDS_URL:-} ]] && shards=""
   case $1 in
     shard-*) ;;
     pretrain) echo "$shards" ;;
-    finetune) echo "$shards models/pretrain" ;;
+    finetune|sweep:*) echo "$shards models/pretrain" ;;
     evaluate) echo "$shards models/finetune plots" ;;  # plots: the training curves it draws together
     export) echo "$shards models/finetune" ;;
   esac
@@ -81,6 +86,7 @@ outputs() {
     pretrain|finetune) echo "models/$1 metrics plots" ;;
     evaluate) echo "metrics plots" ;;
     export) echo "exports metrics" ;;
+    sweep:*) echo "sweeps" ;;
   esac
 }
 
@@ -112,6 +118,7 @@ echo "[job] workspace $(pwd)${remote:+ (mirror of $remote)}, params $VIT_PARAMS,
 for s in "${stages[@]}"; do
   case $s in
     shard-*) python -m stages.shard "${s#shard-}" ;;
+    sweep:*) f=${s#sweep:}; [[ $f == /* ]] || f=$code/$f; python -m pipeline sweep "$f" ;;
     *) python -m stages."$s" ;;
   esac
   if [[ -n $remote ]]; then  # publish this stage's outputs before the next stage starts

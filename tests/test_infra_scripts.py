@@ -218,15 +218,19 @@ def test_job_check_names_each_problem_and_creates_nothing(tmp_path):
     cases = [({}, [], "job: set VIT_WORKSPACE (a shared path or s3:// prefix)"),
              ({"VIT_WORKSPACE": str(ws), "VIT_PARAMS": "nope.yaml"}, [], f"job: VIT_PARAMS: {ROOT}/nope.yaml: file not found"),
              ({"VIT_WORKSPACE": str(ws), "VIT_PARAMS_OVERLAY": "dvc.yaml"}, [], "error: "),
-             ({"VIT_WORKSPACE": str(ws)}, ["evaluate", "export", "train"], "job: unknown stage 'train'")]
+             ({"VIT_WORKSPACE": str(ws)}, ["evaluate", "export", "train"], "job: unknown stage 'train'"),
+             ({"VIT_WORKSPACE": str(ws)}, ["sweep:configs/nope.yaml"],
+              f"job: sweep:configs/nope.yaml: no sweep file {ROOT}/configs/nope.yaml (give it relative to the")]
     for env, stages, start in cases:
         proc = subprocess.run(["bash", "infra/job.sh", "--check", *stages], cwd=ROOT, capture_output=True, text=True,
                               timeout=60, env=clean_env(**env))
         assert proc.returncode == 2 and proc.stderr.startswith(start) and proc.stderr.count("\n") == 1, proc.stderr
-    proc = subprocess.run(["bash", "infra/job.sh", "--check", "evaluate"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env=clean_env(VIT_WORKSPACE=str(ws), VIT_PARAMS_OVERLAY="infra/params.cluster.yaml"))
+    proc = subprocess.run(["bash", "infra/job.sh", "--check", "evaluate", "sweep:configs/sweep-finetune.yaml"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env=clean_env(VIT_WORKSPACE=str(ws), VIT_PARAMS_OVERLAY="infra/params.cluster.yaml"))
     assert proc.returncode == 0 and proc.stdout == (f"[job] checked: workspace {ws}, params {ROOT}/params.yaml + overlay "
-                                                    "infra/params.cluster.yaml, stages: evaluate\n"), proc.stderr
+                                                    "infra/params.cluster.yaml, stages: evaluate "
+                                                    "sweep:configs/sweep-finetune.yaml\n"), proc.stderr
     assert not ws.exists()
 
 
