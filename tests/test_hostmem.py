@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from pipeline.data.hostmem import MIN_HUGE_BYTES, empty_huge, stack_for_main
+from pipeline.data.hostmem import MIN_HUGE_BYTES, empty_huge, one_thread, stack_for_main
 from pipeline.data.transforms import BatchFinish
 
 SHAPE = (64, 3, 224, 224)  # a 224 px batch: 38 MB as float32
@@ -46,6 +46,23 @@ def test_batch_finish_on_cpu_gives_the_reference_arithmetic():
     expected = batch.to(torch.float32).sub_(finish.shift).div_(finish.scale)
     assert torch.equal(finish(batch), expected)
     assert torch.equal(finish(batch[:2]), expected[:2])  # a small batch: the default allocator
+
+
+def test_one_thread_inside_the_block_and_the_count_restored_after(monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        seen = []
+        real = torch.Tensor.copy_
+        monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src: seen.append(torch.get_num_threads())
+                            or real(self, src))
+        BatchFinish(None)(torch.zeros(2, 3, 4, 4, dtype=torch.uint8))  # the CPU normalisation: one thread
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Stacked(IterableDataset):
