@@ -6,7 +6,10 @@ interleaved in one process so machine load hits all alike. Two baselines:
 ``imagefolder-fast``: ImageFolder given this package's decode (torchvision.io) and transform
 split (uint8 per-sample ops, normalise per batch), isolating what the tar format itself buys.
 ``webdataset-raw``: the same loader on shards written with ``encoding: raw`` (decoded pixels, no
-JPEG decode when loading; the same batches).
+JPEG decode when loading; the same batches). ``--max-side N`` adds ``webdataset-max-side``: the same
+loader on shards the shard stage re-encoded at ``max_side: N`` (as fast 224 px ImageNet loaders such
+as FFCV store it), against ImageFolder on the original images; its figures go in a record of their
+own, named so, beside the same-bytes one.
 
 The images: ``--data``, an ImageFolder (class folders, or a train/ of them) used as it is, else
 CIFAR-10 extracted there; ``--upscale 400x300 --limit 2000`` first writes that many of them, upscaled
@@ -48,6 +51,7 @@ from pipeline.data.transforms import AUGMENT_DEFAULTS, DECODES, BatchFinish, Sam
 from pipeline.utils import DATASET_INFO, positive_int
 
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}
+MAX_SIDE = "webdataset-max-side"  # --max-side's loader
 IMAGENET_AUGMENT = {"random_resized_crop": [0.08, 1.0], "hflip": 0.5, "interpolation": "bilinear"}
 
 
@@ -89,11 +93,11 @@ def upscaled(folder: Path, size: tuple[int, int], limit: int, under: Path = Path
     return out
 
 
-def ensure_shards(folder: Path, shard_dir: Path, encoding: str = "source") -> None:
-    """Shard ``folder`` (JPEGs copied through, or ``raw`` pixels) into ``shard_dir`` once."""
+def ensure_shards(folder: Path, shard_dir: Path, encoding: str = "source", max_side: int | None = None) -> None:
+    """Shard ``folder`` (JPEGs copied through, or ``raw`` pixels; re-encoded at ``max_side``) into ``shard_dir`` once."""
     if not (shard_dir / DATASET_INFO).exists():
         shard_dataset(shard_dir, DataConfig(source="imagefolder", root=folder, val_fraction=0.0, test_fraction=0.0,
-                                            maxcount=2000, encoding=encoding))
+                                            maxcount=2000, encoding=encoding, max_side=max_side))
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -150,6 +154,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where this loader's batches end (cuda: a GPU run's input path)")
     ap.add_argument("--decode", choices=DECODES, default=AUGMENT_DEFAULTS["decode"],
                     help="this loader's augment.decode (device: JPEGs decoded on --device)")
+    ap.add_argument("--max-side", type=positive_int, help="also time this loader on shards re-encoded at this "
+                    "max_side, against ImageFolder on the original images (a record of its own)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object, the last line")
     add_record_option(ap)
     args = ap.parse_args()
@@ -160,6 +166,9 @@ def main() -> None:
     raw_shards = shards.with_name(shards.name + "-raw")
     ensure_shards(train, shards)
     ensure_shards(train, raw_shards, encoding="raw")
+    small_shards = shards.with_name(f"{shards.name}-max-side-{args.max_side}") if args.max_side else None
+    if small_shards:
+        ensure_shards(train, small_shards, max_side=args.max_side)
     n_train = read_dataset_info(shards)["counts"]["train"]
     augment = AUGMENT if args.image_size <= 32 else IMAGENET_AUGMENT
     ours = {**augment, "decode": args.decode}
@@ -174,11 +183,15 @@ def main() -> None:
     def epochs(dataset):  # shuffled, as many epochs as --batches takes (as the train loader's streams cycle)
         return torch.utils.data.RandomSampler(dataset, num_samples=args.batches * args.batch_size)
     rates = {"webdataset": [], "webdataset-raw": [], "imagefolder": [], "imagefolder-fast": []}
+    ours_on = {"webdataset": shards, "webdataset-raw": raw_shards}
+    if small_shards:
+        rates[MAX_SIDE] = []
+        ours_on[MAX_SIDE] = small_shards
     for r in range(args.rounds):
-        for name, shard_dir in (("webdataset", shards), ("webdataset-raw", raw_shards)):
+        for name, shard_dir in ours_on.items():
             wds_loader = make_train_loader(shard_dir, batch_size=args.batch_size, image_size=args.image_size,
                                            steps_per_epoch=total, rank=0, world_size=1, epoch=r, seed=0,
-                                           augment=ours if name == "webdataset" else augment,
+                                           augment=augment if name == "webdataset-raw" else ours,
                                            num_workers=args.workers, device=args.device)
             rates[name].append(timed(wds_loader, args.batches))
         dl = torch.utils.data.DataLoader(folder, batch_size=args.batch_size, sampler=epochs(folder),
@@ -199,28 +212,41 @@ def main() -> None:
         print(f"median {k:17s}: {wall[k]:7.0f} img/s wall   {cpu[k]:7.0f} img/cpu-s")
     print(f"speed-up vs imagefolder, median of the rounds' ratios: {paired(rates, 0):.2f}x wall   "
           f"{paired(rates, 1):.2f}x cpu")
+    if small_shards:
+        print(f"on shards re-encoded at max_side {args.max_side} vs imagefolder on the originals: "
+              f"{paired(rates, 0, MAX_SIDE):.2f}x wall   {paired(rates, 1, MAX_SIDE):.2f}x cpu")
     for base in ("imagefolder", "imagefolder-fast"):
         print(f"speed-up vs {base:17s}: {wall['webdataset'] / wall[base]:.2f}x wall   "
               f"{cpu['webdataset'] / cpu[base]:.2f}x cpu  (target >= 2x vs imagefolder)")
     print(f"encoding: raw vs source  : {wall['webdataset-raw'] / wall['webdataset']:.2f}x wall   "
           f"{cpu['webdataset-raw'] / cpu['webdataset']:.2f}x cpu")
-    figures = {**{f"{k.replace('-', '_')}_img_s": round(v) for k, v in wall.items()},
-               **{f"{k.replace('-', '_')}_img_per_cpu_s": round(v) for k, v in cpu.items()},
+    same_bytes = [k for k in wall if k != MAX_SIDE]
+    figures = {**{f"{k.replace('-', '_')}_img_s": round(wall[k]) for k in same_bytes},
+               **{f"{k.replace('-', '_')}_img_per_cpu_s": round(cpu[k]) for k in same_bytes},
                "ratio_vs_imagefolder": round(paired(rates, 0), 2),
                "ratio_vs_imagefolder_cpu": round(paired(rates, 1), 2),
                "load_avg": round(os.getloadavg()[0], 2)}
+    case = f"{args.image_size} px, batch {args.batch_size}, {args.workers} workers, decode {args.decode} on {args.device}"
+    if small_shards:
+        smaller = {"max_side": args.max_side, "webdataset_max_side_img_s": round(wall[MAX_SIDE]),
+                   "webdataset_max_side_img_per_cpu_s": round(cpu[MAX_SIDE]), "imagefolder_img_s": figures["imagefolder_img_s"],
+                   "ratio_vs_imagefolder": round(paired(rates, 0, MAX_SIDE), 2),
+                   "ratio_vs_imagefolder_cpu": round(paired(rates, 1, MAX_SIDE), 2), "load_avg": figures["load_avg"]}
     if args.record:
-        record_and_say("loader_speed", figures, command=command_line(__file__),
-                       case=f"{args.image_size} px, batch {args.batch_size}, {args.workers} workers, "
-                            f"decode {args.decode} on {args.device}")
+        record_and_say("loader_speed", figures, command=command_line(__file__), case=case)
+        if small_shards:
+            record_and_say("loader_speed", smaller, command=command_line(__file__),
+                           case=f"{case}; this loader on shards re-encoded at max_side {args.max_side}, "
+                                f"ImageFolder on the original images")
     if args.json:
-        print(json.dumps(figures), flush=True)
+        print(json.dumps({**figures, "max_side": smaller} if small_shards else figures), flush=True)
 
 
-def paired(rates: dict[str, list[tuple[float, float]]], k: int) -> float:
-    """The median over rounds of this loader's rate (``k``: 0 wall, 1 CPU) over ImageFolder's in the same
-    round: on a shared machine, load that drifts between rounds moves both sides of each ratio alike."""
-    return statistics.median(a[k] / b[k] for a, b in zip(rates["webdataset"], rates["imagefolder"]))
+def paired(rates: dict[str, list[tuple[float, float]]], k: int, ours: str = "webdataset") -> float:
+    """The median over rounds of this loader's rate (``k``: 0 wall, 1 CPU; on ``ours``' shards) over
+    ImageFolder's in the same round: on a shared machine, load that drifts between rounds moves both
+    sides of each ratio alike."""
+    return statistics.median(a[k] / b[k] for a, b in zip(rates[ours], rates["imagefolder"]))
 
 
 def _image_size(path: str) -> str:

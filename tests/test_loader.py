@@ -1,6 +1,7 @@
 """Train / eval loaders over real tars: world-size invariance, disjoint ranks, exactly-once eval, augment."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -541,17 +542,28 @@ def test_loader_benchmark_runs_all_four_loaders(tmp_path):
         bmp.unlink()
     proc = subprocess.run([sys.executable, "benchmarks/loader_speed.py", "--data", tmp_path / "data", "--shards",
                            tmp_path / "shards", "--workers", "1", "--batch-size", "4", "--batches", "3", "--rounds", "1",
-                           "--image-size", "8", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--image-size", "8", "--max-side", "8", "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     medians = {line.split(":")[0].split()[1]: float(line.split(":")[1].split()[0])
                for line in proc.stdout.splitlines() if line.startswith("median ")}
-    assert sorted(medians) == ["imagefolder", "imagefolder-fast", "webdataset", "webdataset-raw"], proc.stdout
+    assert sorted(medians) == ["imagefolder", "imagefolder-fast", "webdataset", "webdataset-max-side",
+                               "webdataset-raw"], proc.stdout
     assert all(v > 0 for v in medians.values()), proc.stdout
     assert "encoding: raw vs source" in proc.stdout
     assert read_dataset_info(tmp_path / "shards-raw")["params"]["encoding"] == "raw"
     assert read_dataset_info(tmp_path / "shards")["counts"]["train"] == 24  # the folder's JPEGs and PNGs
     figures = json.loads(proc.stdout.splitlines()[-1])
     assert figures["ratio_vs_imagefolder"] > 0 and figures["webdataset_img_s"] == round(medians["webdataset"])
+    # --max-side: shards the stage re-encoded, timed against ImageFolder on the originals, recorded apart
+    assert read_dataset_info(tmp_path / "shards-max-side-8")["params"]["max_side"] == 8
+    assert "webdataset_max_side_img_s" not in figures
+    assert figures["max_side"]["webdataset_max_side_img_s"] == round(medians["webdataset-max-side"])
+    records = [json.loads(line) for line in
+               (Path(os.environ["VIT_RESULTS_DIR"]) / "loader_speed.jsonl").read_text().splitlines()[-2:]]
+    assert records[0]["figures"]["webdataset_img_s"] == figures["webdataset_img_s"]
+    assert records[1]["case"].endswith("shards re-encoded at max_side 8, ImageFolder on the original images")
+    assert records[1]["figures"] == figures["max_side"]
 
 
 def test_loader_benchmark_upscales_a_folder(tmp_path):

@@ -965,3 +965,22 @@ def test_exif_orientation_is_applied_and_other_images_keep_their_bytes(tmp_path)
             elif encoding == "source" and name.endswith((".jpg", ".png")):  # BMPs become PNGs
                 stored = next(v for k, v in sample.items() if k in ("jpg", "png"))
                 assert stored == (root / source_of[key]).read_bytes(), name
+
+
+def test_imagefolder_records_pickle_as_their_own_path(tmp_path):
+    """A chunk of records sent to a shard task carries its own paths, not the whole listing's."""
+    import pickle
+    from pathlib import PurePosixPath
+
+    from pipeline.data.folder import imagefolder_listing
+
+    def records(per_class: int, root_text: str) -> list:
+        root = make_imagefolder(tmp_path / f"src{per_class}", per_class=per_class)
+        listing = imagefolder_listing(root=root_text.format(root=root), seed=0, val_fraction=0.0,
+                                      test_fraction=0.0, class_names=None)
+        return list(listing.records)
+
+    small, large = records(2, "{root}"), records(200, "{root}/")
+    assert len(pickle.dumps(large[0])) < 2 * len(pickle.dumps(small[0]))
+    assert pickle.loads(pickle.dumps(large[5])).load() == (tmp_path / "src200" / large[5].source_path).read_bytes()
+    assert all(PurePosixPath(r.source_path).parts[0] in ("cat", "dog", "eel") for r in large + small)

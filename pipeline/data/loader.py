@@ -36,6 +36,7 @@ from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
 from .device_decode import decode_parcel, encode_parcel
 from .draft import JPEG_EXTS
+from .hostmem import stack_for_main
 from .integrity import RecordedShards, bad_sample, reshard, sample_label, shard_stage, size_changed
 from .pixels import bad_image_reason
 from .splits import EMPTY_SPLIT_EFFECT, lacks_given_test, why_empty
@@ -315,7 +316,7 @@ class _TrainSteps(IterableDataset):
             return TrainBatch(data, TrainBatch.pack(labels, params), keys, encoded)
         decoded = [transformed_sample(sample, self.transform, a, self.check.num_classes)
                    for sample, (a, _) in zip(raw, seeds)]
-        images = torch.stack([img for img, _ in decoded])
+        images = stack_for_main([img for img, _ in decoded])
         params = self.device_augment.draw([d for _, d in seeds], *images.shape[-2:])
         images, params = self.device_augment.on_host(images, params)
         labels = torch.tensor([label for _, label in decoded], dtype=torch.int64)

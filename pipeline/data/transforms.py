@@ -14,6 +14,7 @@ from torchvision.transforms import AutoAugmentPolicy, InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
 from .draft import MIN_SIZE as DRAFT_MIN_SIZE, decode_reduced, draft_scale, jpeg_size, open_jpeg
+from .hostmem import empty_huge, one_thread
 
 AUGMENT_DEFAULTS: dict[str, Any] = {
     "mean": [0.5, 0.5, 0.5],
@@ -304,4 +305,7 @@ class BatchFinish:
         if batch.device not in self._on:
             self._on[batch.device] = (self.shift.to(batch.device), self.scale.to(batch.device))
         shift, scale = self._on[batch.device]
-        return batch.to(torch.float32).sub_(shift).div_(scale)
+        if batch.device.type != "cpu":
+            return batch.to(torch.float32).sub_(shift).div_(scale)
+        with one_thread():  # a fresh batch-sized float32 tensor, in huge pages (:mod:`.hostmem`)
+            return empty_huge(batch.shape).copy_(batch).sub_(shift).div_(scale)
