@@ -1,11 +1,12 @@
 """Sweep wall time: the same trials with ASHA stopping the worst early, and run to their end (scheduler
 ``none``), side by side, and whether both find the same best trial.
 
-Both sweeps tune ``pretrain.lr`` and ``pretrain.warmup_epochs`` on digits with the tiny model, from the
+Both sweeps tune ``pretrain.lr`` (log-uniform over two decades) on digits with the tiny model, from the
 same seed (so the same draws), each through ``vit-pipeline sweep`` in a work folder of its own params.yaml
-and shards (Ray started by each). Target (issue 77): ASHA's wall time <= 0.5x, with the same best trial.
+and shards (Ray started by each). ASHA's rungs: ``--grace`` epochs, then every ``--reduction-factor``-fold
+more. Target (issue 77): ASHA's wall time <= 0.5x, with the same best trial.
 
-    python benchmarks/sweep_speed.py --trials 8 --epochs 4 --json
+    python benchmarks/sweep_speed.py --trials 16 --epochs 8 --json
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pipeline.utils import positive_int
 TARGET = 0.5
 
 
-def _params(epochs: int) -> dict:
+def params_file(epochs: int) -> dict:
     """params.yaml for a short digits pretrain on one in-process rank per trial."""
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["data"]["pretrain"]["source"] = "digits"
@@ -40,10 +41,10 @@ def _params(epochs: int) -> dict:
     return raw
 
 
-def _sweep(trials: int, scheduler: str, concurrent: int) -> dict:
+def sweep_file(trials: int, scheduler: str, concurrent: int, grace: int, reduction_factor: int) -> dict:
     return {"stage": "pretrain", "num_samples": trials, "max_concurrent": concurrent,
-            "scheduler": {"name": scheduler, "grace_period": 1, "reduction_factor": 2},
-            "space": {"pretrain.lr": {"loguniform": [0.0001, 0.02]}, "pretrain.warmup_epochs": {"choice": [0, 1]}}}
+            "scheduler": {"name": scheduler, "grace_period": grace, "reduction_factor": reduction_factor},
+            "space": {"pretrain.lr": {"loguniform": [0.0003, 0.03]}}}
 
 
 def _run(cmd: list[str], cwd: Path) -> float:
@@ -55,25 +56,29 @@ def _run(cmd: list[str], cwd: Path) -> float:
     return time.perf_counter() - start
 
 
-def measure(work: Path, trials: int, epochs: int, concurrent: int) -> dict:
-    (work / "params.yaml").write_text(yaml.safe_dump(_params(epochs), sort_keys=False))
+def measure(work: Path, trials: int, epochs: int, concurrent: int, grace: int, reduction_factor: int) -> dict:
+    (work / "params.yaml").write_text(yaml.safe_dump(params_file(epochs), sort_keys=False))
     _run([sys.executable, "-m", "stages.shard", "pretrain"], work)  # untimed
     figures, best = {}, {}
     for scheduler in ("asha", "none"):
-        (work / f"{scheduler}.yaml").write_text(yaml.safe_dump(_sweep(trials, scheduler, concurrent)))
+        sweep = sweep_file(trials, scheduler, concurrent, grace, reduction_factor)
+        (work / f"{scheduler}.yaml").write_text(yaml.safe_dump(sweep))
         figures[f"{scheduler}_wall_s"] = round(_run([sys.executable, "-m", "pipeline", "sweep",
                                                      f"{scheduler}.yaml"], work), 1)
         best[scheduler] = yaml.safe_load((work / "sweeps" / scheduler / "best.yaml").read_text())
     figures["ratio"] = round(figures["asha_wall_s"] / figures["none_wall_s"], 3)
     figures["same_best"] = str(best["asha"] == best["none"]).lower()
-    figures.update(trials=trials, epochs=epochs, max_concurrent=concurrent, target_ratio=TARGET)
+    figures.update(trials=trials, epochs=epochs, max_concurrent=concurrent, grace_period=grace,
+                   reduction_factor=reduction_factor, target_ratio=TARGET)
     return figures
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trials", type=positive_int, default=8, help="trials drawn (the same in both sweeps)")
-    ap.add_argument("--epochs", type=positive_int, default=4, help="pretrain.epochs: a trial's full length")
+    ap.add_argument("--trials", type=positive_int, default=16, help="trials drawn (the same in both sweeps)")
+    ap.add_argument("--epochs", type=positive_int, default=8, help="pretrain.epochs: a trial's full length")
+    ap.add_argument("--grace", type=positive_int, default=1, help="ASHA's grace period, in epochs")
+    ap.add_argument("--reduction-factor", type=positive_int, default=2, help="ASHA keeps 1 in this many per rung")
     ap.add_argument("--concurrent", type=positive_int, default=2, help="trials at once (max_concurrent)")
     ap.add_argument("--workdir", type=Path, help="keep the work folder here (default: a temporary one, removed)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sweep-speed-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        figures = measure(work, args.trials, args.epochs, args.concurrent)
+        figures = measure(work, args.trials, args.epochs, args.concurrent, args.grace, args.reduction_factor)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(target <= {TARGET}x), same best trial: {figures['same_best']}", flush=True)
     if args.record:
         record_and_say("sweep_speed", figures, command=command_line(__file__, argv),
-                       case=f"{args.trials} trials x {args.epochs} epochs, {args.concurrent} at once")
+                       case=f"{args.trials} trials x {args.epochs} epochs, {args.concurrent} at once, ASHA grace "
+                            f"{args.grace}, reduction factor {args.reduction_factor}")
     if args.json:
         print(json.dumps(figures))
     return 0

@@ -79,6 +79,19 @@ def test_example_sweep_file_is_valid():
     assert sweep.stage == "finetune" and sweep.scheduler.name == "asha" and sweep.space
 
 
+def test_the_speed_benchmarks_sweeps_are_valid(tmp_path):
+    """benchmarks/sweep_speed.py's two sweeps (ASHA and to the end) over its params, as `vit-pipeline sweep`
+    checks them: the same trials, only the scheduler differs."""
+    from benchmarks.sweep_speed import params_file, sweep_file
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(params_file(4)))
+    asha, none = (load_sweep(str(_write(tmp_path / f"{name}.yaml", sweep_file(16, name, 2, 1, 2))), str(params))
+                  for name in ("asha", "none"))
+    assert (asha.scheduler.name, none.scheduler.name) == ("asha", "none") and asha.space == none.space
+    assert asha.stage == "pretrain" and asha.total_trials == none.total_trials == 16
+
+
 def test_best_overrides_carry_the_world_size_the_trials_ran_with(tmp_path):
     """A trial of 1 rank is reproduced by a 1-rank stage run: params.yaml's 2 Ray ranks would compute another."""
     from pipeline.sweep.tuning import dvc_line
