@@ -187,6 +187,23 @@ for verbose in (False, True):
 """
 
 
+def test_a_local_ray_train_run_leaves_out_the_placement_group_cleaner():
+    """The cleaner frees a run's reservation should its controller die, and reads Ray's state API (served by
+    the dashboard): on the stage's own instance, which ends with the stage and starts no dashboard, it is
+    left out; on a joined cluster, which outlives the run, it stays."""
+    from ray.train import ScalingConfig
+
+    from pipeline.cluster import torch_trainer
+    from pipeline.config import RayConfig
+
+    def callbacks(**ray_cfg) -> set[str]:
+        trainer = torch_trainer(RayConfig(**ray_cfg), lambda config: None, scaling_config=ScalingConfig(num_workers=1))
+        return {type(c).__name__ for c in trainer._create_default_callbacks()}
+
+    assert "PlacementGroupCleanerCallback" not in callbacks(num_workers=1)
+    assert "PlacementGroupCleanerCallback" in callbacks(num_workers=1, address="auto")
+
+
 @pytest.mark.slow
 def test_a_local_ray_sends_no_autoscaler_requests():
     """Ray Train's controller asked an autoscaling coordinator (an actor it starts) for the run's resources and
