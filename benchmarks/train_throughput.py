@@ -245,7 +245,7 @@ def refuse(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
     ap.add_argument("--recipe", help="a configs/*.yaml recipe applied over --params")
@@ -270,7 +270,7 @@ def main() -> None:
                     help="instead: the input alone for each loader-worker count in COUNTS (e.g. 1,4,8,15), "
                          "with the CPU time per batch of this process and of the workers")
     add_record_option(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     try:
         # ray.backend local: one rank, the whole global batch on this device
@@ -296,7 +296,7 @@ def main() -> None:
         rates = input_scaling(loop, device, args.input_scaling, args.steps)
         if args.record:
             record_and_say("train_throughput", {f"input_img_s_{n}_workers": round(r) for n, r in rates.items()},
-                           command=command_line(__file__), case=f"{args.recipe or args.params}, input scaling")
+                           command=command_line(__file__, argv), case=f"{args.recipe or args.params}, input scaling")
         return
     stepper = Stepper(model.to(device), loop, device)
     twins = {"eager": twin(stepper, loop, compile=False)} if args.compare_eager and loop.compile else {}
@@ -321,7 +321,7 @@ def main() -> None:
     figures = report(args, params, loop, device, {k: statistics.median(v) for k, v in got.items() if v},
                      peak_memory, counted)
     if args.record:
-        record_and_say("train_throughput", figures, command=command_line(__file__), case=args.recipe or args.params)
+        record_and_say("train_throughput", figures, command=command_line(__file__, argv), case=args.recipe or args.params)
     if args.profile:
         profile(stepper, batches, args.profile_steps, args.profile)
 

@@ -17,7 +17,7 @@ from pipeline.train import worker
 from pipeline.train.flops import flops_per_image
 from pipeline.train.loop_config import LoopConfig
 from pipeline.train.step import Stepper
-from tests.conftest import run_as_on_gpu_box
+from tests.conftest import run_as_on_gpu_box, run_cases_as_on_gpu_box
 
 
 def _cfg(model: dict, **kw) -> LoopConfig:
@@ -660,20 +660,19 @@ def test_input_scaling_reports_each_worker_count(digits_dir):
         assert per_worker == pytest.approx(rate / max(count, 1), rel=0.01)
         assert main_cpu > 0
     assert rows[0][4] == 0 and rows[2][4] > 0  # no workers: all in this process; two: they did the work
-    bad = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, "--input-scaling", "1,-2")
+    (damaged_dir := digits_dir.parent / "damaged").mkdir(exist_ok=True)
+    (damaged_dir / "dataset.json").write_text("{")
+    bad, *zeros, damaged, too_big = run_cases_as_on_gpu_box(
+        "benchmarks/train_throughput.py", ("--shards", digits_dir, "--input-scaling", "1,-2"),
+        *(("--shards", digits_dir, flag, "0") for flag in ("--steps", "--rounds", "--profile-steps")),
+        ("--shards", damaged_dir), ("--shards", digits_dir, "--set", "pretrain.global_batch_size=100000"))
     assert bad.returncode == 2 and "'1,-2': comma-separated worker counts >= 0" in bad.stderr
     assert "Traceback" not in bad.stderr
-    for flag in ("--steps", "--rounds", "--profile-steps"):  # they were a ZeroDivisionError / KeyError
-        zero = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir, flag, "0")
+    for zero in zeros:  # they were a ZeroDivisionError / KeyError
         assert zero.returncode == 2 and "'0' is not valid: must be an integer >= 1" in zero.stderr, zero.stderr
-    (tmp_path := digits_dir.parent / "damaged").mkdir(exist_ok=True)
-    (tmp_path / "dataset.json").write_text("{")
-    damaged = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", tmp_path)
     assert damaged.returncode == 2 and damaged.stderr.startswith("error: ") and damaged.stderr.count("\n") == 1
     assert "dataset.json: not valid JSON" in damaged.stderr
-    too_big = run_as_on_gpu_box("benchmarks/train_throughput.py", "--shards", digits_dir,  # a traceback before
-                                "--set", "pretrain.global_batch_size=100000")
-    assert too_big.returncode == 2 and too_big.stderr.count("\n") == 1, too_big.stderr[-2000:]
+    assert too_big.returncode == 2 and too_big.stderr.count("\n") == 1, too_big.stderr[-2000:]  # a traceback before
     assert too_big.stderr.startswith("error: pretrain.global_batch_size: 100000 is larger than the train split")
 
 
