@@ -251,31 +251,25 @@ def test_plain_loop_follows_the_recipe_and_refuses_what_it_lacks(tmp_path):
     assert re.findall(r"^\[plain\] epoch (\d)/2 loss \d\.\d+ top1 [01]\.\d+ ", proc.stdout, re.M) == ["1", "2"]
     assert re.search(r"^\[plain\] test top-1 [01]\.\d{4} \(36 images\), [\d.]+ s training on cpu$", proc.stdout, re.M)
     assert re.search(r"^\[plain\] epoch 2/2 .* \| [\d.]+s, \d+ img/s$", proc.stdout, re.M)
-    if not torch.cuda.is_available():  # a GPU asked for where there is none: one line, as bad input
-        no_gpu = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--device", "cuda", *small)
-        assert no_gpu.returncode == 2 and no_gpu.stderr.strip() == "error: --device cuda: no CUDA device here (--device cpu)"
-
-    refused = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, "--recipe",
-                                "configs/cifar10-1gpu.yaml")
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert refused.stderr.strip().endswith(
-        "the plain loop has no pretrain.ema_decay=0.9998, pretrain.mix_prob=0.5, pretrain.time_budget_minutes=7.5, "
-        "pretrain.keep='best'; set them off (--set) to compare")
-    (folder / "test").rename(tmp_path / "elsewhere")
-    missing = run_as_on_gpu_box("benchmarks/plain_loop.py", "--imagefolder", folder, *small)
-    assert missing.returncode == 2 and f"{folder / 'test'}: no such folder" in missing.stderr
-    # each of these was a traceback: a negative worker count, a batch larger than the train split (no step an
-    # epoch: a ZeroDivisionError), a test/ without class folders
-    (tmp_path / "elsewhere").rename(folder / "test")
-    too_big = ["--set=pretrain.global_batch_size=1000"]  # 12 images a class here
+    no_test = make_imagefolder(tmp_path / "no-test", per_class=2, splits=["train"])
     (tmp_path / "bare" / "train" / "cat").mkdir(parents=True)
     (tmp_path / "bare" / "test").mkdir()
-    for args, line in ((["--imagefolder", folder, "--workers", "-1"], "--workers -1: give 0"),
-                       (["--imagefolder", folder, *small, *too_big],
-                        "pretrain.global_batch_size: 1000 is larger than the train split (36 images in "),
-                       (["--imagefolder", tmp_path / "bare", *small],
-                        f"{tmp_path / 'bare' / 'train'}: Found no valid file")):
-        bad = run_as_on_gpu_box("benchmarks/plain_loop.py", "--workers", "0", *args)
+    cases = {  # the one line each gives; the last three were tracebacks: a negative worker count, a batch
+        # larger than the train split (no step an epoch: a ZeroDivisionError), a test/ without class folders
+        "the plain loop has no pretrain.ema_decay=0.9998, pretrain.mix_prob=0.5, pretrain.time_budget_minutes=7.5, "
+        "pretrain.keep='best'; set them off (--set) to compare": ("--imagefolder", folder, "--recipe",
+                                                                  "configs/cifar10-1gpu.yaml"),
+        f"{no_test / 'test'}: no such folder": ("--imagefolder", no_test, *small),
+        "--workers -1: give 0": ("--imagefolder", folder, "--workers", "-1"),
+        "pretrain.global_batch_size: 1000 is larger than the train split (36 images in ": (
+            "--imagefolder", folder, "--workers", "0", *small, "--set=pretrain.global_batch_size=1000"),
+        f"{tmp_path / 'bare' / 'train'}: Found no valid file": ("--imagefolder", tmp_path / "bare", "--workers", "0",
+                                                                *small),
+    }
+    if not torch.cuda.is_available():  # a GPU asked for where there is none: one line, as bad input
+        cases["error: --device cuda: no CUDA device here (--device cpu)"] = ("--imagefolder", folder, "--device",
+                                                                             "cuda", *small)
+    for line, bad in zip(cases, run_cases_as_on_gpu_box("benchmarks/plain_loop.py", *cases.values())):
         assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr[-2000:]
         assert bad.stderr.startswith("error: ") and line in bad.stderr
 
