@@ -336,7 +336,7 @@ def test_job_shards_to_bucket_trains_checkpoints_and_resumes(s3_server, mlflow_s
 
 def test_job_with_a_shards_url_pulls_no_shards(s3_server, env_factory, tmp_path):
     """infra/README.md: with VIT_SHARDS_URL, job.sh pulls a stage's models but not its shards (the stage and
-    its ranks stream those, as the test below checks); without it, both; and evaluate's training curves
+    its ranks stream those, as the bucket job's resumed run above checks); without it, both; and evaluate's training curves
     (plots/), also after a fine-tune in the same job, which writes only its own there. The bucket is empty, so
     the stage itself stops at once (exit 1, no shards): what is checked is what the job pulled for it."""
     bucket = s3_server.bucket
@@ -356,24 +356,6 @@ def test_job_with_a_shards_url_pulls_no_shards(s3_server, env_factory, tmp_path)
             proc.stdout + proc.stderr
         storage_lines = [line for line in proc.stdout.splitlines() if line.startswith("[storage]")]
         assert storage_lines == [f"[storage] nothing under {ws}/{d}" for d in pulled], proc.stdout
-
-
-def test_stage_streams_shards_from_bucket(s3_server, mlflow_server, env_factory, local_shards, tmp_path):
-    """With VIT_SHARDS_URL the stage and its Ray workers read the tars from the bucket: no local copy."""
-    storage.upload_dir(local_shards, f"s3://{s3_server.bucket}/t3/shards/pretrain")
-    repo = _copy_repo(tmp_path / "repo", storage_path=f"s3://{s3_server.bucket}/t3/ray")
-    raw = yaml.safe_load((repo / "params.s3.yaml").read_text())
-    raw["pretrain"]["epochs"] = 1
-    (repo / "params.s3.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    env = env_factory(**s3_server.env, VIT_SHARDS_URL=f"s3://{s3_server.bucket}/t3/shards",
-                      VIT_PARAMS="params.s3.yaml", MLFLOW_TRACKING_URI=mlflow_server.url)
-    out = subprocess.run(["python", "-m", "stages.pretrain"], cwd=repo, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert (repo / "models/pretrain/model.safetensors").is_file()
-    assert not (repo / "data").exists(), "shards were copied locally instead of streamed"
-    meta = json.loads((repo / "models/pretrain/config.json").read_text())
-    assert any(k.startswith(f"t3/ray/{meta['ray_run']}/checkpoint_") for k in s3_server.keys("t3/ray/"))
 
 
 def test_object_store_out_of_reach_is_one_line(s3_server, mlflow_server, env_factory, port_factory, local_shards,
