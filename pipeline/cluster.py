@@ -139,12 +139,13 @@ def no_autoscaler() -> None:
 
 @contextmanager
 def ray_cluster(ray_cfg: RayConfig) -> Iterator[None]:
-    """:func:`init_ray`, and on a signal inside, leave Ray before the stage prints its last line: Ray's own
-    exit hook would print after it the forwarded logs of actors dying with the run."""
+    """:func:`init_ray`, and on a signal or an error inside, leave Ray before the stage prints its last line:
+    Ray's own exit hook would print after it the forwarded logs of actors dying with the run (a failed rank's
+    traceback, arriving late on a busy machine, ended a stage's output after its one-line error)."""
     init_ray(ray_cfg)
     try:
         yield
-    except KeyboardInterrupt:
+    except BaseException:
         import ray
 
         ray.shutdown()
