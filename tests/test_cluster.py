@@ -129,9 +129,10 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     for leak in ("data/shards/pretrain/LEAK", "models/pretrain/LEAK"):
         (repo / leak).parent.mkdir(parents=True)
         (repo / leak).write_text("must not be uploaded")
-    # a fine-tune sweep of two grid points, submitted as a second job (infra/README.md) after the first
+    # a fine-tune sweep of two grid points, each trial on 2 Ray Train ranks, submitted as a second job
+    # (infra/README.md) after the first
     (repo / "sweep-tiny.yaml").write_text("stage: finetune\nnum_samples: 1\nscheduler: {name: none}\n"
-                                          "space:\n  finetune.lr: {grid: [0.001, 0.002]}\n")
+                                          "resources: {workers: 2}\nspace:\n  finetune.lr: {grid: [0.001, 0.002]}\n")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)  # .git must not be uploaded either
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code"], cwd=repo, check=True)
@@ -228,7 +229,8 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     assert by_uri.stdout == by_dir.stdout and by_uri.stdout.startswith(f"{image}\t")
 
     # 7. A sweep is a job too (infra/README.md): its trials fine-tune the workspace's pretrained model on the
-    #    cluster, log under one sweep run on the server, and sweeps/ lands in the workspace.
+    #    cluster, each on 2 Ray Train ranks reporting its epochs to Tune, log under one sweep run on the
+    #    server, and sweeps/ lands in the workspace.
     sweep = subprocess.run(["bash", "infra/submit.sh", "--", "bash", "infra/job.sh", "sweep:sweep-tiny.yaml"],
                            cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     logs = sweep.stdout + sweep.stderr
@@ -239,6 +241,7 @@ def test_submitted_job_trains_into_workspace_and_logs_to_mlflow(ray_head, mlflow
     trials = ml.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(t.data.params["finetune.lr"] for t in trials) == ["0.001", "0.002"]
     assert all(t.info.status == "FINISHED" and t.data.metrics["val_top1"] >= 0 for t in trials)
+    assert {(t.data.params["world_size"], t.data.tags["sweep.status"]) for t in trials} == {("2", "finished")}
 
 
 @pytest.mark.slow
