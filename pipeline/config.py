@@ -649,7 +649,7 @@ def _check_unique_keys(node: yaml.Node, key: str, path: str, seen: set[int]) -> 
             _check_unique_keys(item, f"{key}[{i}]", path, seen)
 
 
-def _apply_override(raw: dict, dotted: str, value: Any) -> None:
+def apply_override(raw: dict, dotted: str, value: Any) -> None:
     """Set ``dotted`` (``pretrain.lr``) in ``raw``, adding missing sections; a part that is a value in
     ``raw`` cannot hold a key."""
     node = raw
@@ -692,7 +692,7 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: dict | None 
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
     for dotted, value in (overrides or {}).items():
-        _apply_override(raw, dotted, value)
+        apply_override(raw, dotted, value)
     return params_from_dict(raw, str(path))
 
 

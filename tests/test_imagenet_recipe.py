@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.config import _apply_override
+from pipeline.config import apply_override
 from pipeline.data import read_dataset_info
 from pipeline.recipes import recipe_overrides
 from tests.repo_copy import ROOT, make_repo, pretrain_runs, run
@@ -23,7 +23,7 @@ TINY = ["data.pretrain.source=fractals", "data.pretrain.root=null", "data.pretra
 def test_imagenet_recipe_trains_end_to_end_on_fractals(tmp_path):
     def recipe(raw: dict) -> dict:  # what `vit-pipeline recipe ... --set ... | xargs dvc exp run` applies
         for key, value in recipe_overrides(str(ROOT / RECIPE), TINY).items():
-            _apply_override(raw, key, value)
+            apply_override(raw, key, value)
         return raw
 
     repo = make_repo(tmp_path / "repo", edit=recipe)

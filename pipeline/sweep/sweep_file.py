@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import TRAINING_STAGES, ConfigError, _build, _read_yaml, load_params
+from pipeline.config import TRAINING_STAGES, ConfigError, _build, _read_yaml, flatten, load_params
 from pipeline.utils import shown
 
 # How each kind of range is written (``key: {kind: [...]}``) and what it takes.
@@ -199,9 +199,7 @@ def search_space(sweep: Sweep) -> dict[str, Any]:
 
 def sweep_settings(sweep: Sweep) -> dict[str, Any]:
     """What the sweep's MLflow parent run logs as params: the file's settings, and each range as written."""
-    settings = {k: v for k, v in dataclasses.asdict(sweep).items() if k != "space"}
-    flat = {f"sweep.{k}.{kk}" if isinstance(v, dict) else f"sweep.{k}": vv
-            for k, v in settings.items() for kk, vv in (v.items() if isinstance(v, dict) else [(None, v)])}
+    flat = flatten({k: v for k, v in dataclasses.asdict(sweep).items() if k != "space"}, "sweep")
     flat["sweep.mode"] = sweep.best_mode
     return {**flat, **{f"space.{k}": f"{kind}{values}" for k, spec in sweep.space.items()
                        for kind, values in spec.items()}}

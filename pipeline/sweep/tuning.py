@@ -16,7 +16,7 @@ import yaml
 from ray.tune import Callback
 
 from pipeline import storage
-from pipeline.config import ConfigError, Params, flatten, params_file, read_partial_params
+from pipeline.config import ConfigError, Params, apply_override, flatten, params_file, read_partial_params
 from pipeline.recipes import override_key, override_value
 from pipeline.signals import StageInterrupted
 from pipeline.sweep.sweep_file import Sweep, candidates, load_sweep, search_space, sweep_settings
@@ -252,11 +252,7 @@ def _nested(flat: dict) -> dict:
     """``{"pretrain.lr": x}`` -> ``{"pretrain": {"lr": x}}``: best.yaml is a recipe (a partial params.yaml)."""
     out: dict = {}
     for key, value in flat.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+        apply_override(out, key, value)
     return out
 
 
