@@ -27,6 +27,10 @@ COORDINATOR_CLIENT = "ray.train.v2._internal.execution.scaling_policy.autoscalin
 # listen on every interface. With this variable off, Ray's setting on macOS and Windows, a node takes
 # 127.0.0.1 and they all listen there only. Ray reads it as it is imported, into ENABLE_RAY_CLUSTER.
 LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Ray starts one idle worker per CPU as the driver connects, and more while tasks queue, ahead of need. A
+# stage's own instance runs a known few actors and tasks, each started as it is asked for: the idle ones were
+# a CPU-second each of every run's start, on the cores its ranks were starting on.
+NO_PRESTART = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
 
 
 def worker_resources(ray_cfg: RayConfig) -> dict[str, float]:
@@ -85,7 +89,7 @@ def init_ray(ray_cfg: RayConfig) -> None:
 def _start_local(ray_cfg: RayConfig, kwargs: dict) -> None:
     """A Ray instance for this stage alone. No dashboard: it backs Ray's state API, which only Ray Train's
     placement-group cleaner reads, and a local run leaves that out (:func:`is_local`); its start-up
-    processes were a few CPU-seconds of every run's."""
+    processes were a few CPU-seconds of every run's. No idle workers started ahead (:data:`NO_PRESTART`)."""
     import ray
 
     check_local_capacity(ray_cfg)
@@ -97,7 +101,7 @@ def _start_local(ray_cfg: RayConfig, kwargs: dict) -> None:
     kwargs["runtime_env"]["worker_process_setup_hook"] = no_autoscaler
     before = _descendants()
     with _loopback_only():
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, _system_config=NO_PRESTART, **kwargs)
     # Ray's agents outlive a `kill -9` of the stage: whatever it started is ended once the stage is gone
     watch(sorted(_descendants() - before))
 

@@ -165,6 +165,7 @@ def test_only_ray_trains_overload_warning_is_not_counted_as_a_traceback():
 # In a Ray task of a local instance: Ray Train's controller's request to the autoscaling coordinator, then
 # the named actors of the cluster (the coordinator would be one, created by the request).
 _COORDINATOR_PROBE = """
+import time
 import ray
 from pipeline.cluster import COORDINATOR_CLIENT, init_ray
 from pipeline.config import RayConfig
@@ -179,10 +180,16 @@ def request_then_named_actors():
     client.cancel_resource_request()
     return time.monotonic() - started, ray.util.list_named_actors(all_namespaces=True)
 
+def idle_workers() -> int:
+    import psutil
+    time.sleep(1)  # the time Ray's worker starts would take to show
+    return sum(p.cmdline()[:1] == ["ray::IDLE"] for p in psutil.Process().children(recursive=True))
+
 for verbose in (False, True):
     init_ray(RayConfig(num_workers=1, verbose=verbose))
+    idle = idle_workers()
     took, actors = ray.get(request_then_named_actors.remote())
-    print(verbose, took < 0.1, actors, flush=True)
+    print(verbose, took < 0.1, actors, idle, flush=True)
     ray.shutdown()
 """
 
@@ -208,11 +215,12 @@ def test_a_local_ray_train_run_leaves_out_the_placement_group_cleaner():
 def test_a_local_ray_sends_no_autoscaler_requests():
     """Ray Train's controller asked an autoscaling coordinator (an actor it starts) for the run's resources and
     waited up to 5 s for it: on a busy machine it timed out with a 20-line traceback in the middle of a stage's
-    lines. A stage's own Ray instance has no autoscaler: its processes send nothing and start no such actor."""
+    lines. A stage's own Ray instance has no autoscaler: its processes send nothing and start no such actor. Nor
+    does it start workers before anything asks for one."""
     proc = subprocess.run([sys.executable, "-c", _COORDINATOR_PROBE], cwd=Path(__file__).parents[1],
                           env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["False True []", "True True []"]
+    assert proc.stdout.splitlines() == ["False True [] 0", "True True [] 0"]
 
 
 @pytest.mark.slow
