@@ -46,8 +46,9 @@ from benchmarks.cifar import add_extract_options, extract_cifar
 from benchmarks.results import add_record_option, command_line, record_and_say
 from pipeline.config import DataConfig
 from pipeline.data import make_train_loader, read_dataset_info, shard_dataset
+from pipeline.data.augment import AUGMENT_DEFAULTS, DECODES
 from pipeline.data.loader import _collate
-from pipeline.data.transforms import AUGMENT_DEFAULTS, DECODES, BatchFinish, SampleTransform, train_transform
+from pipeline.data.transforms import BatchFinish, SampleTransform, train_transform
 from pipeline.utils import DATASET_INFO, positive_int
 
 AUGMENT = {"random_resized_crop": [0.5, 1.0], "hflip": 0.5}

@@ -45,7 +45,7 @@ from benchmarks.cifar import add_tarball_option, cifar_shards
 from benchmarks.results import add_record_option, command_line, record_and_say
 from pipeline.config import TRAINING_STAGES, ConfigError, Params
 from pipeline.data import read_dataset_info
-from pipeline.data.transforms import eval_augment
+from pipeline.data.augment import eval_augment
 from pipeline.environment import device_name
 from pipeline.inference import predict_split, scored_metrics, views_note
 from pipeline.model import VisionTransformer, load_model, save_model

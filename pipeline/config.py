@@ -413,10 +413,16 @@ def check_data(d: DataConfig, key: str = "data.<name>") -> None:
 
 def _check_model(p: Params) -> None:
     """The architecture, and every resolution the model will see divisible by its patch size."""
-    from pipeline.model.build import section_config
-    from pipeline.model.convert import LAYOUTS
-    from pipeline.model.resample import MODES
-    from pipeline.model.vit_config import POOLS, PRESETS, WEIGHT_INITS, check_divisible, check_heads
+    from pipeline.model.vit_config import (
+        LAYOUTS,
+        POOLS,
+        PRESETS,
+        RESAMPLE_MODES,
+        WEIGHT_INITS,
+        check_divisible,
+        check_heads,
+        section_config,
+    )
 
     _choice("model.preset", p.model.preset, tuple(PRESETS))
     _choice("model.pool", p.model.pool, POOLS)
@@ -442,13 +448,13 @@ def _check_model(p: Params) -> None:
         section_config(p.model, image_size=p.pretrain.image_size, num_classes=0)
     except ValueError as exc:
         raise ConfigError(f"model.{exc}") from None
-    _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, MODES)
+    _choice("finetune.interpolation.mode", p.finetune.interpolation.mode, RESAMPLE_MODES)
     _choice("finetune.init_source", p.finetune.init_source, LAYOUTS)
     _choice("finetune.head", p.finetune.head, HEADS)
 
 
 def _check_training(stage: str, t: TrainConfig, ranks: int) -> None:
-    from pipeline.data.transforms import resolve_augment
+    from pipeline.data.augment import resolve_augment
     from pipeline.train.selection import KEEP_CHOICES
 
     for k in ("epochs", "global_batch_size", "lr", "eval_every", "checkpoint_every_epochs"):
@@ -547,7 +553,7 @@ def _check_export_and_ray(p: Params) -> None:
         raise ConfigError(f"ray.loader_workers: {shown(p.ray.loader_workers)} must be >= 0 (0: load in the training "
                           f"process) or null (ray.cpus_per_worker - 1)")
     _positive("evaluate.batch_size", p.evaluate.batch_size)
-    from pipeline.inference import TTA_VIEWS
+    from pipeline.tta import TTA_VIEWS
 
     _choice("evaluate.tta", p.evaluate.tta, tuple(TTA_VIEWS))
     _positive("ray.checkpoints_to_keep", p.ray.checkpoints_to_keep)

@@ -14,7 +14,7 @@ from pipeline import pipeline_run, storage
 from pipeline.cluster import check_local_capacity, worker_resources
 from pipeline.config import TRAINING_STAGES, Params, flatten
 from pipeline.data import check_shard_files, make_eval_loader, read_dataset_info, require_classes, require_split
-from pipeline.data.transforms import eval_augment
+from pipeline.data.augment import eval_augment
 from pipeline.environment import device_name
 from pipeline.inference import Predictions, predict_rank, predict_split, scored_metrics, views_note
 from pipeline.metrics import attention_rollout, confusion_matrix, macro_scores, per_class, predicted_class

@@ -14,7 +14,7 @@ import torch
 from pipeline import pipeline_run, storage
 from pipeline.config import ExportConfig, Params
 from pipeline.data import make_eval_loader, read_dataset_info, require_classes, require_split
-from pipeline.data.transforms import eval_augment
+from pipeline.data.augment import eval_augment
 from pipeline.model import VisionTransformer, load_model, save_config, save_model
 from pipeline.outputs import staged_outputs
 from pipeline.predict import MODEL_FILES, RUNNERS

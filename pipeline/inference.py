@@ -11,31 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.data import make_eval_loader
-from pipeline.data.transforms import resolve_augment
+from pipeline.data.augment import resolve_augment
 from pipeline.environment import device_name
 from pipeline.metrics import classification_metrics, predicted_class
 from pipeline.model import VisionTransformer, ViTConfig
-
-
-class View(NamedTuple):
-    """One test-time view of an image: moved by ``dy``, ``dx`` pixels (black where it moves in from
-    outside, as in the train crops' zero padding), then mirrored or not."""
-    dy: int = 0
-    dx: int = 0
-    mirror: bool = False
-
-
-# evaluate.tta: the views of each test image whose logits are averaged, the image itself first. A
-# mirror keeps the class of CIFAR / ImageNet-style photos (and is among their train augmentations),
-# not of digits or text ("shift": moves only). A ViT's patch grid makes a 1-pixel move a different
-# tokenisation of the image.
-DIAGONAL_MOVES = ((0, 0), (-1, -1), (-1, 1), (1, -1), (1, 1))
-TTA_VIEWS: dict[str, tuple[View, ...]] = {
-    "none": (View(),),
-    "hflip": (View(), View(mirror=True)),
-    "shift": tuple(View(dy, dx) for dy, dx in DIAGONAL_MOVES),
-    "hflip-shift": tuple(View(dy, dx, mirror) for dy, dx in DIAGONAL_MOVES for mirror in (False, True)),
-}
+from pipeline.tta import TTA_VIEWS, View
 
 
 def apply_view(x: torch.Tensor, view: View, black: torch.Tensor) -> torch.Tensor:

@@ -40,8 +40,9 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from pipeline.data.augment import eval_augment
 from pipeline.data.pixels import IMAGE_EXTS, eight_bit, upright
-from pipeline.data.transforms import eval_augment, eval_transform
+from pipeline.data.transforms import eval_transform
 from pipeline.metrics import predicted_class
 from pipeline.model.io import ModelFileError, load_model, read_model_file
 from pipeline.registry import MODEL_URI, download_export  # imports MLflow only when it downloads

@@ -9,6 +9,7 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import AutoAugment, RandAugment, TrivialAugmentWide, functional as F
 
+from pipeline.data.augment import AUTO_AUGMENTS, AUTOAUGMENT_CIFAR10, resolve_augment
 from pipeline.data.device_augment import (
     AUTOAUGMENT_BINS,
     BINS,
@@ -21,7 +22,6 @@ from pipeline.data.device_augment import (
     cifar10_policy,
     magnitude_table,
 )
-from pipeline.data.transforms import AUTO_AUGMENTS, AUTOAUGMENT_CIFAR10, resolve_augment
 
 H = W = 32
 RA = {"auto_augment": "randaugment", "random_erasing": 0.5}

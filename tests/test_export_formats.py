@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 from pipeline import predict
+from pipeline.data.augment import eval_augment
 from pipeline.data.codec import decode
-from pipeline.data.transforms import eval_augment, eval_transform
+from pipeline.data.transforms import eval_transform
 from pipeline.exporter import compare_export, export_formats, parity_failure
 from pipeline.model import build_vit
 

@@ -7,9 +7,10 @@ import torch
 
 from pipeline.data import make_eval_loader, read_dataset_info
 from pipeline.data.transforms import BatchFinish
-from pipeline.inference import TTA_VIEWS, View, apply_view, normalised_black, predict_split, scored_metrics, views_note
+from pipeline.inference import apply_view, normalised_black, predict_split, scored_metrics, views_note
 from pipeline.metrics import classification_metrics
 from pipeline.model import build_vit
+from pipeline.tta import TTA_VIEWS, View
 
 SIZE = 16  # the digits' default pretrain size
 NORMALIZE = {"mean": [0.4, 0.5, 0.6], "std": [0.2, 0.25, 0.3]}

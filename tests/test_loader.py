@@ -511,7 +511,8 @@ def test_shard_files_checked_against_dataset_json(tmp_path, digits_dir):
 
 
 def test_augment_dataset_normalisation(digits_dir):
-    from pipeline.data.transforms import BatchFinish, resolve_augment, with_dataset_stats
+    from pipeline.data.augment import resolve_augment, with_dataset_stats
+    from pipeline.data.transforms import BatchFinish
     info = read_dataset_info(digits_dir)
     aug = with_dataset_stats({"mean": "dataset", "std": "dataset", "hflip": 0.0}, info)
     assert aug == {"mean": info["pixel_stats"]["mean"], "std": info["pixel_stats"]["std"], "hflip": 0.0}
@@ -609,7 +610,7 @@ def test_the_resize_a_model_trained_with_is_the_one_it_is_evaluated_exported_and
     predict (``eval_augment``) resize with it: a model trained and validated on nearest-resized images was
     tested and served on bicubic ones. A config.json from before keeps the default."""
     from pipeline.config import load_params
-    from pipeline.data.transforms import eval_augment, resolve_augment
+    from pipeline.data.augment import eval_augment, resolve_augment
     from pipeline.train.stage import model_meta
 
     params = load_params(REPO / "params.yaml", {"finetune.augment.interpolation": "nearest"})
@@ -666,6 +667,6 @@ def test_device_decode_on_cuda_matches_the_cpu(photo_shards):
     ({"decode": "gpu"}, r"augment.decode='gpu'; valid: \['loader', 'device'\]"),
     ({"decode": "device", "auto_augment": "randaugment"}, "set auto_augment to null or decode to loader")])
 def test_decode_choice_checked(augment, match):
-    from pipeline.data.transforms import resolve_augment
+    from pipeline.data.augment import resolve_augment
     with pytest.raises(ValueError, match=match):
         resolve_augment(augment)

@@ -196,7 +196,7 @@ def test_random_crop_is_torchvision_padded_crop_with_every_offset():
     ({"random_crop": 4, "random_resized_crop": [0.5, 1.0]}, "choose one crop (set the other to null)"),
 ])
 def test_random_crop_bad_values(augment, needle):
-    from pipeline.data.transforms import resolve_augment
+    from pipeline.data.augment import resolve_augment
     with pytest.raises(ValueError, match=re.escape(needle)):
         resolve_augment(augment)
 
@@ -285,3 +285,12 @@ def test_jpeg_size_reads_the_frame_header():
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, "PNG")
     assert jpeg_size(buf.getvalue()) is None and jpeg_size(b"\xff\xd8\xff") is None
+
+
+def test_each_augment_choice_has_its_pipeline():
+    """augment.py names the choices params.yaml may give (checked without torchvision); transforms.py builds each."""
+    from pipeline.data.augment import AUTO_AUGMENTS, INTERPOLATION_CHOICES
+    from pipeline.data.transforms import AUTO_AUGMENT_TRANSFORMS, INTERPOLATIONS
+
+    assert set(AUTO_AUGMENT_TRANSFORMS) == set(AUTO_AUGMENTS) - {None}
+    assert [mode.value for mode in INTERPOLATIONS.values()] == list(INTERPOLATION_CHOICES)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.data import read_dataset_info
-from pipeline.data.transforms import AUTO_AUGMENTS
+from pipeline.data.augment import AUTO_AUGMENTS
 from pipeline.inference import predict_split
 from pipeline.model import load_model
 from pipeline.recipes import recipe_overrides

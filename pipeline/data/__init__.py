@@ -10,7 +10,7 @@ import importlib
 
 _EXPORTS = {"shard_dataset": "shard_writer", "read_dataset_info": "loader", "check_shard_files": "loader",
             "require_split": "loader", "require_classes": "loader", "make_train_loader": "loader", "make_eval_loader": "loader",
-            "SOURCES": "sources", "AUGMENT_DEFAULTS": "transforms"}
+            "SOURCES": "sources", "AUGMENT_DEFAULTS": "augment"}
 __all__ = list(_EXPORTS)
 
 

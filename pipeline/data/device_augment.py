@@ -27,7 +27,8 @@ import torch.nn.functional as nnf
 from torchvision.transforms import AutoAugmentPolicy
 from torchvision.transforms.v2 import AutoAugment, functional as F
 
-from .transforms import AUTOAUGMENT_CIFAR10, BatchFinish, resolve_augment
+from .augment import AUTOAUGMENT_CIFAR10, resolve_augment
+from .transforms import BatchFinish
 
 OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color",
        "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize", "Invert")

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.storage import file_sizes, is_url, join as _join
 from pipeline.utils import DATASET_INFO
 
+from .augment import resolve_augment
 from .codec import IMAGE_KEYS, decode
 from .device_augment import DeviceAugment
 from .device_decode import decode_parcel, encode_parcel
@@ -42,7 +43,7 @@ from .pixels import bad_image_reason
 from .splits import EMPTY_SPLIT_EFFECT, lacks_given_test, why_empty
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
 from .tario import IndexedShards, tarfile_samples
-from .transforms import BatchFinish, SampleTransform, resolve_augment
+from .transforms import BatchFinish, SampleTransform
 
 _FSSPEC_SCHEMES = ("s3", "gcs", "az", "abfs", "memory")
 

@@ -1,24 +1,27 @@
-"""Vision Transformer model package: config, model, builders, resampling, conversion, I/O."""
-from .attention import attention_maps
-from .build import build_model, build_vit, make_config
-from .convert import convert_state_dict
-from .io import load_model, save_config, save_model
-from .resample import resample_patch_embed, resample_pos_embed
-from .vit import VisionTransformer
-from .vit_config import PRESETS, ViTConfig
+"""Vision Transformer model package: config, model, builders, resampling, conversion, I/O.
 
-__all__ = [
-    "ViTConfig",
-    "VisionTransformer",
-    "PRESETS",
-    "build_model",
-    "build_vit",
-    "make_config",
-    "resample_pos_embed",
-    "resample_patch_embed",
-    "convert_state_dict",
-    "attention_maps",
-    "save_model",
-    "save_config",
-    "load_model",
-]
+The names below are imported on first use (PEP 562): checking params needs :mod:`.vit_config` alone,
+and a process that only checks them (the shard stage) then does not load torch (~1.5 s on 2 cores).
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"ViTConfig": "vit_config", "PRESETS": "vit_config", "make_config": "vit_config",
+            "VisionTransformer": "vit", "build_model": "build", "build_vit": "build",
+            "resample_pos_embed": "resample", "resample_patch_embed": "resample",
+            "convert_state_dict": "convert", "attention_maps": "attention",
+            "save_model": "io", "save_config": "io", "load_model": "io"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -12,11 +12,9 @@ import re
 import torch
 
 from .resample import _as_pair, resample_pos_embed
+from .vit_config import LAYOUTS, SOURCES
 
 __all__ = ["convert_state_dict", "SOURCES", "LAYOUTS"]
-
-SOURCES = ("timm", "torchvision")
-LAYOUTS = ("pipeline", *SOURCES)  # finetune.init_source: whose key layout a weights file has
 
 _PARAM = r"(weight|bias)"
 _BLOCK_PARTS = ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2")

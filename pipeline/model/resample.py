@@ -11,9 +11,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-__all__ = ["resample_pos_embed", "resample_patch_embed", "MODES"]
+from .vit_config import RESAMPLE_MODES as MODES
 
-MODES = ("nearest", "bilinear", "bicubic", "area")
+__all__ = ["resample_pos_embed", "resample_patch_embed", "MODES"]
 _ANTIALIAS_MODES = ("bilinear", "bicubic")  # the only modes where torch accepts antialias=True
 
 

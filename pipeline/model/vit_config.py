@@ -1,20 +1,25 @@
-"""Model hyper-parameters as one validated, JSON-safe dataclass.
+"""Model hyper-parameters as one validated, JSON-safe dataclass, and the named choices of params.yaml's
+``model`` and fine-tune sections.
 
 Validation happens once, at construction, so every later consumer (the model,
-the checkpoint loader, the training loop) can trust the numbers.
+the checkpoint loader, the training loop) can trust the numbers. Without torch: ``pipeline.config``
+checks params with this module in processes that never build a model (the shard stage).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["ViTConfig", "PRESETS", "WEIGHT_INITS", "check_divisible", "check_heads"]
+__all__ = ["ViTConfig", "PRESETS", "WEIGHT_INITS", "check_divisible", "check_heads", "make_config", "section_config"]
 
 POOLS = ("cls", "mean")
 # How a new model's weights are drawn (VisionTransformer.init_weights): "timm", timm's default ViT init;
 # "mimetic", the same plus self-attention initialised as trained ViTs look (Trockman & Kolter, 2023).
 WEIGHT_INITS = ("timm", "mimetic")
+RESAMPLE_MODES = ("nearest", "bilinear", "bicubic", "area")  # how resample.py resizes position embeddings
+SOURCES = ("timm", "torchvision")  # foreign key layouts convert.py maps onto this model's
+LAYOUTS = ("pipeline", *SOURCES)  # finetune.init_source: whose key layout a weights file has
 
 # Width / depth / heads of the standard ViT family (Dosovitskiy et al., DeiT)
 # plus two CPU-sized presets for smoke tests and tiny data sets.
@@ -139,3 +144,47 @@ class ViTConfig:
         if unknown:
             raise ValueError(f"unknown ViTConfig field(s) {unknown}; valid fields: {valid}")
         return cls(**d)
+
+
+class ModelSection(Protocol):
+    """What the model package reads of params.yaml's ``model`` section (``pipeline.config.ModelConfig``),
+    named here so that the model package depends on nothing above it."""
+
+    preset: str
+    patch_size: int
+    pool: str
+    drop_path_rate: float
+    weight_init: str
+
+    def overrides(self) -> dict[str, Any]: ...
+
+
+def make_config(
+    preset: str,
+    *,
+    patch_size,
+    image_size,
+    num_classes: int,
+    **overrides,
+) -> ViTConfig:
+    """Preset widths + explicit geometry + ``overrides`` (ViTConfig field names)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid presets: {sorted(PRESETS)}")
+    valid = {f.name for f in dataclasses.fields(ViTConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(f"unknown override(s) {unknown}; valid ViTConfig fields: {sorted(valid)}")
+    fields = dict(PRESETS[preset])
+    fields.update(patch_size=patch_size, image_size=image_size, num_classes=num_classes, **overrides)
+    return ViTConfig(**fields)
+
+
+def section_config(model: ModelSection, *, image_size, num_classes: int, patch_size=None) -> ViTConfig:
+    """params.yaml's ``model`` section at one geometry (``patch_size``: ``model.patch_size`` if None).
+
+    The one place the section becomes a :class:`ViTConfig` (the stages and benchmarks build from it,
+    ``pipeline.config.validate`` checks with it), so a new ``model.*`` key is wired once.
+    """
+    return make_config(model.preset, patch_size=patch_size or model.patch_size, image_size=image_size,
+                       num_classes=num_classes, pool=model.pool, drop_path_rate=model.drop_path_rate,
+                       **model.overrides())

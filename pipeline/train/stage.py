@@ -14,11 +14,10 @@ import torch
 from pipeline import storage
 from pipeline.config import Params, TrainConfig
 from pipeline.data import read_dataset_info
-from pipeline.data.transforms import resolve_augment, with_dataset_stats
+from pipeline.data.augment import resolve_augment, with_dataset_stats
 from pipeline.model import VisionTransformer, ViTConfig, build_model, convert_state_dict, load_model, save_model
-from pipeline.model.build import section_config
-from pipeline.model.convert import LAYOUTS
 from pipeline.model.io import ModelFileError, read_model_file
+from pipeline.model.vit_config import LAYOUTS, section_config
 from pipeline.outputs import staged_outputs
 from pipeline.pipeline_run import finetune_init, trainer_of
 from pipeline.plots import plot_history
