@@ -359,7 +359,7 @@ def test_stage_warns_about_skips_empty_test_and_unlearnable_class(tmp_path):
         "class 'eel' has no train images (val 2, test 0): the model cannot learn it",
     ], proc.stderr
     # what evaluate and export then say: only a test split of its own fills it, no fraction does
-    from pipeline.data.loader import require_split
+    from pipeline.data.shard_dir import require_split
     shards = tmp_path / "data/shards/pretrain"
     with pytest.raises(ValueError, match=r"\(the source has no test split; .*\): the evaluate and export stages "
                                          r"have no test images; give the source a test/ folder, then run the shard"):

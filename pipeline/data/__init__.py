@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"shard_dataset": "shard_writer", "read_dataset_info": "loader", "check_shard_files": "loader",
-            "require_split": "loader", "require_classes": "loader", "make_train_loader": "loader", "make_eval_loader": "loader",
+_EXPORTS = {"shard_dataset": "shard_writer", "read_dataset_info": "shard_dir", "check_shard_files": "shard_dir",
+            "require_split": "shard_dir", "require_classes": "shard_dir", "make_train_loader": "loader",
+            "make_eval_loader": "loader",
             "SOURCES": "sources", "AUGMENT_DEFAULTS": "augment"}
 __all__ = list(_EXPORTS)
 

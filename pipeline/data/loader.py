@@ -18,10 +18,7 @@ split still divides exactly.
 """
 from __future__ import annotations
 
-import errno
 import functools
-import json
-import os
 from itertools import islice
 from typing import Iterator, NamedTuple, Optional
 
@@ -29,8 +26,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.storage import file_sizes, is_url, join as _join
-from pipeline.utils import DATASET_INFO
+from pipeline.storage import is_url, join as _join
 
 from .augment import resolve_augment
 from .codec import IMAGE_KEYS, decode
@@ -38,9 +34,9 @@ from .device_augment import DeviceAugment
 from .device_decode import decode_parcel, encode_parcel
 from .draft import JPEG_EXTS
 from .hostmem import stack_for_main
-from .integrity import RecordedShards, bad_sample, reshard, sample_label, shard_stage, size_changed
+from .integrity import RecordedShards, bad_sample, sample_label
 from .pixels import bad_image_reason
-from .splits import EMPTY_SPLIT_EFFECT, lacks_given_test, why_empty
+from .shard_dir import read_dataset_info
 from .streams import key_index, open_streams, reader_streams, resolve_num_streams, sample_seeds
 from .tario import IndexedShards, tarfile_samples
 from .transforms import BatchFinish, SampleTransform
@@ -55,54 +51,6 @@ def _fsspec_gopen(url, mode="rb", bufsize=8192, **kw):
 
 for _scheme in _FSSPEC_SCHEMES:  # let webdataset's gopen read object stores through fsspec
     wds.gopen_schemes.setdefault(_scheme, _fsspec_gopen)
-
-
-def read_dataset_info(shard_dir) -> dict:
-    """Load dataset.json from a shard directory or URL prefix (s3://..., memory://...)."""
-    path = _join(shard_dir, DATASET_INFO)
-    if not is_url(shard_dir) and not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: {shard_dir} holds no shard stage's output; "
-                                f"{reshard(shard_dir, 'first')}")
-    import fsspec
-    with fsspec.open(path, "rt") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc}); {reshard(shard_dir)}") from None
-
-
-def check_shard_files(shard_dir, info: dict) -> None:
-    """Every shard ``dataset.json`` lists is there, at the size the shard stage wrote (shards from before
-    sizes were recorded: presence only). Training and evaluation call this before they start: a tar cut
-    short by an interrupted copy or sync would otherwise fail on a Ray worker (and again on each retry),
-    or, cut at a member boundary, quietly lose samples."""
-    sizes, listing, redo = file_sizes(shard_dir), _join(shard_dir, DATASET_INFO), reshard(shard_dir)
-    for shard in (s for split in info["shards"].values() for s in split):
-        path, size = _join(shard_dir, shard["name"]), sizes.get(shard["name"])
-        if size is None:
-            raise FileNotFoundError(errno.ENOENT, f"shard missing (listed in {listing}); {redo}", path)
-        if size != shard.get("bytes", size):
-            raise size_changed(path, size, shard["bytes"], shard_dir)
-
-
-def require_split(shard_dir, info: dict, split: str) -> None:
-    """A stage that reads ``split`` stops before its work when the shards hold none of it, saying why
-    (the shard stage warned of it) and what gives it some."""
-    if info["counts"][split]:
-        return
-    name = shard_stage(shard_dir)
-    key = f"data.{name}.{split}_fraction" if name else f"{split}_fraction"
-    fix = f"give the source a {split}/ folder" + ("" if lacks_given_test(info, split) else f" or set {key} above 0")
-    raise ValueError(f"{shard_dir} holds no {split} images ({why_empty(info, split)}): {EMPTY_SPLIT_EFFECT[split]}; "
-                     f"{fix}, then {reshard(shard_dir)}")
-
-
-def require_classes(shard_dir, info: dict, model_dir, classes: list[str]) -> None:
-    """A model scored or exported against shards of other classes (re-sharded since it was trained) would
-    name one dataset's images with the other's classes and exit 0: stop, naming both."""
-    if list(classes) != list(info["classes"]):
-        raise ValueError(f"{model_dir} was trained on the classes {list(classes)[:10]} but {shard_dir} holds "
-                         f"{list(info['classes'])[:10]}; train it on these shards (dvc repro finetune)")
 
 
 def eval_reader_shards(shards: list, rank: int, world_size: int, worker: int, num_workers: int):

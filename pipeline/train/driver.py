@@ -183,9 +183,11 @@ def step_hooks_from_env() -> tuple[str, ...]:
     before each optimizer step (see :func:`pipeline.train.worker.load_step_hooks`). A seam for
     debugging and for the fault-tolerance tests (``tests/faults.py``); unset in normal runs. Each is
     imported here first, so a name that does not import stops the stage before any rank starts."""
-    from pipeline.train.worker import load_step_hooks
-
     names = tuple(s.strip() for s in os.environ.get("VIT_STEP_HOOKS", "").split(",") if s.strip())
+    if not names:
+        return names
+    from pipeline.train.worker import load_step_hooks  # the loop's module: torchvision (see :func:`_rank_main`)
+
     try:
         load_step_hooks(names)
     except ValueError as exc:
@@ -302,10 +304,9 @@ def _ray_trainer(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: 
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
     from pipeline.cluster import torch_trainer
-    from pipeline.train.worker import train_loop_per_worker
 
     return torch_trainer(
-        ray_cfg, train_loop_per_worker,
+        ray_cfg, _rank_main,
         train_loop_config={"cfg": spec.loop, "run": dataclasses.replace(run, init_state=ray.put(run.init_state))},
         scaling_config=ScalingConfig(num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.use_gpu,
                                      resources_per_worker=worker_resources(ray_cfg)),
@@ -316,6 +317,15 @@ def _ray_trainer(spec: RunSpec, run: LoopRun, ray_cfg: RayConfig, storage_path: 
             logging_config=LoggingConfig(log_level="INFO" if ray_cfg.verbose else "WARNING"),
             callbacks=list(callbacks)),
     )
+
+
+def _rank_main(args: dict) -> None:
+    """What each Ray Train rank runs (:func:`pipeline.train.worker.train_loop_per_worker`), named by this module:
+    the driver and Ray's controller, which unpickle the name, then never import the loop's, whose data loading
+    brings torchvision (~2 CPU-s of each process on a 2-core machine)."""
+    from pipeline.train.worker import train_loop_per_worker
+
+    train_loop_per_worker(args)
 
 
 def write_history(history: list[dict], csv_path: str | Path) -> None:
