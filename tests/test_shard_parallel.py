@@ -104,8 +104,8 @@ def test_a_killed_run_resumes_and_writes_only_the_missing_shards(ray_local, tmp_
 
 
 def test_peak_memory_per_task_does_not_grow_with_the_set(ray_local, tmp_path):
-    """2 Ray tasks copy through 768, then 3,072 incompressible ~45 kB JPEGs: the tasks' peak RSS (~800 MB,
-    torch's share of it most) grows by less than 20 MB; a task that kept its records' bytes would hold ~50 MB more."""
+    """2 Ray tasks copy through 768, then 3,072 incompressible ~45 kB JPEGs: the tasks' peak RSS grows by
+    less than 20 MB; a task that kept its records' bytes would hold ~50 MB more."""
     from PIL import Image
 
     rng = np.random.default_rng(0)

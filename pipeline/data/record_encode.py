@@ -7,7 +7,6 @@ from typing import Optional
 import numpy as np
 from PIL import Image
 
-from .codec import decode, encode_ppm
 from .pixels import BadImage, bad_image_reason, eight_bit, upright
 from .splits import Record
 
@@ -77,5 +76,7 @@ def prepare(rec: Record, max_side: Optional[int], stats: bool = False, encoding:
     ext, data = KEEP_FORMATS[fmt], raw if raw is not None else _encode(img, fmt, JPEG_QUALITY if encoding == "jpeg"
                                                                         else RESIZE_QUALITY)
     if encoding == "raw":
+        from .codec import decode, encode_ppm  # torch and torchvision: only this path needs them (~1.3 CPU-s)
+
         ext, data = "ppm", encode_ppm(decode(ext, data))
     return ext, data, pixel_histogram(img) if stats else None

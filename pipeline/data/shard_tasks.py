@@ -27,18 +27,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import webdataset as wds
 
 from pipeline.utils import MANIFEST, atomic_write_json
 
 from . import record_encode
 from .pixels import BadImage
 from .record_encode import STATS_SPLIT
+from .shard_tar import write_tar
 from .splits import SPLITS, SourceListing
 
 MANIFEST_SCHEMA = pa.schema([("key", pa.string()), ("split", pa.string()), ("shard", pa.string()),
                              ("label", pa.int64()), ("source_path", pa.string()), ("bytes", pa.int64())])
-TAR_META = dict(user="root", group="root", mode=0o444, mtime=0)
 CHUNK = 512  # records per encode task: a multiple of the fractals' render batch
 WORK = ".work"  # the staging folder's bookkeeping: chunk spools and their sizes, removed before publishing
 RUN = "run.json"  # what the staged work was made from: a run with other params starts afresh
@@ -77,24 +76,27 @@ def encode_chunk(records: list, spool: str, max_side, encoding: str) -> dict:
 
 
 def assemble_shard(path: str, members: list[tuple]) -> dict:
-    """Write the tar ``path`` from ``members`` ``(spool, offset, size, ext, key, label)``, unless a
-    previous run finished it; return its dataset.json entry."""
-    if not os.path.exists(path):
+    """Write the tar ``path`` from ``members`` ``(spool, offset, size, ext, key, label)``, hashing it as it
+    goes, unless a previous run finished it (then read to hash it); return its dataset.json entry."""
+    if os.path.exists(path):
+        digest = _sha256(Path(path))
+    else:
         part, spools = path + ".part", {}
+
+        def samples():
+            for spool, offset, size, ext, key, label in members:
+                f = spools.get(spool) or spools.setdefault(spool, open(spool, "rb"))
+                f.seek(offset)
+                yield key, {ext: f.read(size), "cls": str(label).encode()}
+
         try:
             with open(part, "wb") as out:
-                tar = wds.TarWriter(out, encoder=False, **TAR_META)
-                for spool, offset, size, ext, key, label in members:
-                    f = spools.get(spool) or spools.setdefault(spool, open(spool, "rb"))
-                    f.seek(offset)
-                    tar.write({"__key__": key, ext: f.read(size), "cls": str(label).encode()})
-                tar.close()
+                digest = write_tar(out, samples())
         finally:
             for f in spools.values():
                 f.close()
         os.replace(part, path)
-    return {"name": os.path.basename(path), "count": len(members), "bytes": os.path.getsize(path),
-            "sha256": _sha256(Path(path))}
+    return {"name": os.path.basename(path), "count": len(members), "bytes": os.path.getsize(path), "sha256": digest}
 
 
 class _Threads:
