@@ -85,11 +85,11 @@ def test_no_two_modules_share_a_name():
     assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
 
 
-def test_checking_params_loads_no_torch_and_a_training_driver_no_torchvision():
+def test_checking_params_and_sharding_load_no_torch_and_a_training_driver_no_torchvision():
     """Every stage checks the whole of params.yaml first, the shard stage too, which never builds a model; a
     training stage's driver hands its ranks the loop and never decodes an image. On a 2-core machine torch
     costs such a process ~1.5 CPU-s and torchvision ~2 more, at every stage start."""
-    code = ("import sys; from pipeline.config import load_params; load_params('params.yaml'); "
+    code = ("import sys; from pipeline.config import load_params; load_params('params.yaml'); import stages.shard; "
             "print('torch' in sys.modules); import stages.pretrain, stages.finetune; "
             "print('torchvision' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
