@@ -166,13 +166,15 @@ def torch_trainer(ray_cfg: RayConfig, *args, **kwargs):
             stage's (:mod:`pipeline.signals`) stops it as it stops a SIGTERM, KILLED and resumable."""
 
         def _create_default_callbacks(self) -> list:
-            """On the stage's own Ray instance, without the placement-group cleaner: an actor that frees the
-            run's reservation should the controller die, which matters on a cluster that outlives the run,
-            and reads Ray's state API, which needs the dashboard that a local instance leaves out."""
-            callbacks = super()._create_default_callbacks()
+            """Without the Ray Datasets callback, whose actor (~2 CPU-s to start) serves the ranks Ray Data
+            shards: the stages read webdataset tars and pass no datasets. On the stage's own Ray instance,
+            without the placement-group cleaner too: an actor that frees the run's reservation should the
+            controller die, which matters on a cluster that outlives the run, and reads Ray's state API,
+            which needs the dashboard that a local instance leaves out."""
+            left_out = {"DatasetsCallback"} if not self.datasets else set()
             if is_local(ray_cfg):
-                callbacks = [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
-            return callbacks
+                left_out.add("PlacementGroupCleanerCallback")
+            return [c for c in super()._create_default_callbacks() if type(c).__name__ not in left_out]
 
     return StageTrainer(*args, **kwargs)
 

@@ -194,10 +194,11 @@ for verbose in (False, True):
 """
 
 
-def test_a_local_ray_train_run_leaves_out_the_placement_group_cleaner():
+def test_a_local_ray_train_run_leaves_out_the_placement_group_cleaner_and_any_run_the_datasets_actor():
     """The cleaner frees a run's reservation should its controller die, and reads Ray's state API (served by
     the dashboard): on the stage's own instance, which ends with the stage and starts no dashboard, it is
-    left out; on a joined cluster, which outlives the run, it stays."""
+    left out; on a joined cluster, which outlives the run, it stays. The stages pass no Ray Datasets, so no
+    run starts the actor that would serve them."""
     from ray.train import ScalingConfig
 
     from pipeline.cluster import torch_trainer
@@ -209,6 +210,7 @@ def test_a_local_ray_train_run_leaves_out_the_placement_group_cleaner():
 
     assert "PlacementGroupCleanerCallback" not in callbacks(num_workers=1)
     assert "PlacementGroupCleanerCallback" in callbacks(num_workers=1, address="auto")
+    assert "DatasetsCallback" not in callbacks(num_workers=1) | callbacks(num_workers=1, address="auto")
 
 
 @pytest.mark.slow
