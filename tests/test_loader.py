@@ -542,9 +542,9 @@ def test_loader_benchmark_runs_all_four_loaders(tmp_path):
     for bmp in (tmp_path / "data").rglob("*.bmp"):  # the ImageFolder baselines decode with torchvision.io: JPEG/PNG
         bmp.unlink()
     proc = subprocess.run([sys.executable, "benchmarks/loader_speed.py", "--data", tmp_path / "data", "--shards",
-                           tmp_path / "shards", "--workers", "1", "--batch-size", "4", "--batches", "3", "--rounds", "1",
-                           "--image-size", "8", "--max-side", "8", "--json"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                           tmp_path / "shards", "--workers", "1", "--batch-size", "4", "--batches", "3", "--warmup", "1",
+                           "--rounds", "1", "--image-size", "8", "--max-side", "8", "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     medians = {line.split(":")[0].split()[1]: float(line.split(":")[1].split()[0])
                for line in proc.stdout.splitlines() if line.startswith("median ")}
@@ -556,6 +556,7 @@ def test_loader_benchmark_runs_all_four_loaders(tmp_path):
     assert read_dataset_info(tmp_path / "shards")["counts"]["train"] == 24  # the folder's JPEGs and PNGs
     figures = json.loads(proc.stdout.splitlines()[-1])
     assert figures["ratio_vs_imagefolder"] > 0 and figures["webdataset_img_s"] == round(medians["webdataset"])
+    assert figures["ratio_vs_imagefolder_steady"] > 0 and figures["warmup_batches"] == 1
     # --max-side: shards the stage re-encoded, timed against ImageFolder on the originals, recorded apart
     assert read_dataset_info(tmp_path / "shards-max-side-8")["params"]["max_side"] == 8
     assert "webdataset_max_side_img_s" not in figures
