@@ -153,3 +153,22 @@ def seconds(text: str) -> float:
     if value is None or not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not valid: must be a number of seconds >= 0")
     return value
+
+
+def lazy_exports(package: str, namespace: dict, exports: dict[str, str]):
+    """A package's ``__getattr__`` and ``__dir__`` (PEP 562) for ``exports`` (name -> submodule): each name
+    is imported from its submodule on first use and then kept in the package's ``namespace``, so a user of
+    one submodule does not pay for the others' imports."""
+    import importlib
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{exports[name]}", package), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted([*namespace, *exports])
+
+    return __getattr__, __dir__

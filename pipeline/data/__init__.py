@@ -6,22 +6,11 @@ webdataset and pyarrow (about 2 s of start-up on a 2-core machine).
 """
 from __future__ import annotations
 
-import importlib
+from pipeline.utils import lazy_exports
 
 _EXPORTS = {"shard_dataset": "shard_writer", "read_dataset_info": "shard_dir", "check_shard_files": "shard_dir",
             "require_split": "shard_dir", "require_classes": "shard_dir", "make_train_loader": "loader",
             "make_eval_loader": "loader",
             "SOURCES": "sources", "AUGMENT_DEFAULTS": "augment"}
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -5,7 +5,7 @@ and a process that only checks them (the shard stage) then does not load torch (
 """
 from __future__ import annotations
 
-import importlib
+from pipeline.utils import lazy_exports
 
 _EXPORTS = {"ViTConfig": "vit_config", "PRESETS": "vit_config", "make_config": "vit_config",
             "VisionTransformer": "vit", "build_model": "build", "build_vit": "build",
@@ -13,15 +13,4 @@ _EXPORTS = {"ViTConfig": "vit_config", "PRESETS": "vit_config", "make_config": "
             "convert_state_dict": "convert", "attention_maps": "attention",
             "save_model": "io", "save_config": "io", "load_model": "io"}
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
